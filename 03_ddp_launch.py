@@ -1,0 +1,285 @@
+"""MNIST with DistributedDataParallel, one process per GPU (or per CPU share), started by torchrun.
+
+    torchrun --standalone --nproc_per_node 2 03_ddp_launch.py            # one machine, 2 processes
+    torchrun --standalone --nproc_per_node 2 03_ddp_launch.py --synthetic --max-steps 100
+    python -m torch.distributed.launch --nproc_per_node 2 03_ddp_launch.py   # legacy launcher, deprecated
+    python 03_ddp_launch.py                                              # no launcher: a world of one
+    torchrun --nnodes 2 --nproc_per_node 4 --node_rank R --master_addr HOST --master_port PORT 03_ddp_launch.py
+
+Each process reads RANK, LOCAL_RANK, WORLD_SIZE (and the rendezvous address) from the environment torchrun sets.
+"""
+import argparse
+import json
+import os
+import resource
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.nn as nn
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
+from torchvision import datasets
+
+MODE = "ddp_launch"
+WARMUP_STEPS = 5  # left out of samples_per_s: first steps pay for allocation and kernel selection
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+
+
+class Net(nn.Module):
+    """The classic PyTorch MNIST CNN (about 1.2 M parameters)."""
+
+    def __init__(self, dropout=True):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(0.25 if dropout else 0.0)
+        self.dropout2 = nn.Dropout(0.5 if dropout else 0.0)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+        x = F.relu(self.fc1(torch.flatten(self.dropout1(x), 1)))
+        return self.fc2(self.dropout2(x))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir", default="data", help="where torchvision's MNIST lives (downloaded if missing)")
+    p.add_argument("--synthetic", action="store_true", help="random MNIST-shaped data: throughput only, accuracy meaningless")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=64, help="batch of this process's loader")
+    p.add_argument("--test-batch-size", type=int, default=1000)
+    p.add_argument("--lr", type=float, default=1.0, help="Adadelta learning rate, decayed by 0.7 each epoch")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--max-steps", type=int, default=0, help="stop each epoch's training after this many steps (0: no limit)")
+    p.add_argument("--log-interval", type=int, default=100, help="steps between progress lines (0: none)")
+    p.add_argument("--cpu", action="store_true", help="ignore GPUs")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads per process (default: the cores / processes here)")
+    p.add_argument("--no-dropout", action="store_true", help="disable dropout (for exact comparisons between modes)")
+    p.add_argument("--save-model", metavar="PATH", help="save the trained weights (state_dict) here")
+    p.add_argument("--metrics-json", metavar="PATH", help="write the run's metrics record here")
+    p.add_argument("--timeout", type=float, default=300, help="seconds a process waits for its peers before failing")
+    p.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the legacy launcher; LOCAL_RANK is used
+    return p.parse_args(argv)
+
+
+def fail(message):
+    """Bad input ends the run with one line on stderr, never a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_args(args):
+    for name in ("epochs", "batch_size", "test_batch_size"):
+        if getattr(args, name) <= 0:
+            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.max_steps < 0 or args.log_interval < 0 or args.threads < 0 or args.timeout <= 0:
+        fail("--max-steps and --log-interval must be zero or positive, --timeout positive")
+    for path in (args.metrics_json, args.save_model):
+        if path and (os.path.isdir(path) or not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK)):
+            fail(f"cannot write {path}: its folder does not exist or is not writable")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup(args):
+    """The one place that decides rank, world size and device, and joins the process group."""
+    if "RANK" not in os.environ:  # started without a launcher: run as a world of one rather than fail
+        print("not started by torchrun: running as a world of one "
+              "(torchrun --standalone --nproc_per_node N 03_ddp_launch.py starts N processes)", file=sys.stderr)
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    cuda = torch.cuda.is_available() and not args.cpu
+    if cuda and local_rank >= torch.cuda.device_count():
+        fail(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} are visible")
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    # Processes on one host share its cores; the same rule in every script keeps the comparison fair.
+    threads = args.threads or max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout),
+                                device_id=device if cuda else None)
+    except dist.DistError as e:
+        fail(f"rank {rank} could not join the process group at {os.environ.get('MASTER_ADDR')}:"
+             f"{os.environ.get('MASTER_PORT')}: {str(e).splitlines()[0]}")
+    return dict(rank=rank, local_rank=local_rank, world_size=world_size, device=device, threads=threads,
+                nodes=world_size // int(os.environ.get("LOCAL_WORLD_SIZE", 1)), master=rank == 0,
+                backend=dist.get_backend())
+
+
+def load_mnist(args, train):
+    """The split as one normalised tensor pair, so the input pipeline is never what we measure."""
+    if args.synthetic:
+        g = torch.Generator().manual_seed(args.seed + train)
+        n = 60000 if train else 10000
+        return TensorDataset(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
+    try:
+        ds = datasets.MNIST(args.data_dir, train=train, download=True)
+    except Exception as e:
+        raw = os.path.join(args.data_dir, "MNIST", "raw")
+        fail(f"MNIST could not be loaded from {raw} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+             "it needs train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte and "
+             "t10k-labels-idx1-ubyte there (delete a corrupt one to download it again), or use --synthetic")
+    images = ds.data.unsqueeze(1).float().div_(255).sub_(MNIST_MEAN).div_(MNIST_STD)
+    return TensorDataset(images, ds.targets)
+
+
+def loader(dataset, sampler, batch_size, device):
+    # The sampler's indices are fetched a whole batch at a time; pinned memory lets copies to the GPU overlap.
+    return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last=False), batch_size=None,
+                      pin_memory=device.type == "cuda")
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_epoch(model, train_loader, optimizer, device, args, ctx, epoch):
+    """One epoch. Returns this process's sums (loss, samples, steady samples) and clocks (epoch s, steady s, steps)."""
+    model.train()
+    loss_sum, samples, steady_samples, steps = torch.zeros((), dtype=torch.float64, device=device), 0, 0, 0
+    warmup = min(WARMUP_STEPS, len(train_loader) - 1) if epoch == 1 else 0
+    synchronize(device)
+    t_start = t_steady = time.perf_counter()
+    for step, (data, target) in enumerate(train_loader):
+        if step == args.max_steps > 0:
+            break
+        if step == warmup:
+            synchronize(device)  # GPU work is asynchronous: read the clock only once it is done
+            t_steady = time.perf_counter()
+        data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(data), target)
+        loss.backward()
+        optimizer.step()
+        loss_sum += loss.detach() * len(target)  # stays on the device: no synchronisation per step
+        samples, steady_samples, steps = samples + len(target), steady_samples + len(target) * (step >= warmup), steps + 1
+        if ctx["master"] and args.log_interval and step % args.log_interval == 0:
+            print(f"epoch {epoch} step {step}/{len(train_loader)} loss {loss.item():.4f}", flush=True)
+    synchronize(device)
+    t_end = time.perf_counter()
+    counts = torch.tensor([samples, steady_samples], dtype=torch.float64, device=device)
+    return torch.cat([loss_sum.view(1), counts]), torch.tensor(
+        [t_end - t_start, t_end - t_steady, steps], dtype=torch.float64, device=device)
+
+
+@torch.no_grad()
+def evaluate(model, test_loader, device):
+    """Sums over this process's test images: (loss, correct, count)."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    for data, target in test_loader:
+        data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
+        output = model(data)
+        totals[0] += F.cross_entropy(output, target, reduction="sum").item()
+        totals[1] += (output.argmax(dim=1) == target).sum().item()
+        totals[2] += len(target)
+    return totals
+
+
+def peak_memory_bytes(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak resident memory, KiB on Linux
+
+
+def write_json_atomically(path, record):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=2)
+    os.replace(tmp, path)  # a reader never sees half a file, and a crash never leaves one
+
+
+def metrics_record(args, ctx, epochs, totals):
+    device = ctx["device"]
+    samples, steady_samples, steady_s, steps, peak_memory = totals
+    return dict(
+        schema=1, script=os.path.basename(__file__), mode=MODE, device_type=device.type,
+        device_names=[torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"],
+        world_size=ctx["world_size"], nodes=ctx["nodes"], backend=ctx["backend"], threads=ctx["threads"],
+        per_device_batch=args.batch_size, global_batch=args.batch_size * ctx["world_size"], lr=args.lr,
+        epochs=args.epochs, steps=int(steps), train_samples=int(samples),
+        samples_per_s=steady_samples / steady_s if steady_s > 0 else None, epochs_detail=epochs,
+        test_accuracy=epochs[-1]["test_accuracy"], test_loss=epochs[-1]["test_loss"],
+        peak_memory_bytes=int(peak_memory), synthetic=args.synthetic, torch_version=torch.__version__,
+        argv=sys.argv)
+
+
+def run(args, ctx):
+    device = ctx["device"]
+    torch.manual_seed(args.seed)
+    if ctx["local_rank"] != 0:
+        dist.barrier()  # one process per node downloads; the others wait, then read its files
+    train_set, test_set = load_mnist(args, train=True), load_mnist(args, train=False)
+    if ctx["local_rank"] == 0:
+        dist.barrier()
+    # Each rank trains on its own 1/world_size of every shuffled epoch.
+    sampler = DistributedSampler(train_set, num_replicas=ctx["world_size"], rank=ctx["rank"], shuffle=True, seed=args.seed)
+    train_loader = loader(train_set, sampler, args.batch_size, device)
+    # Each rank evaluates every world_size-th test image: all 10,000 exactly once, no padded duplicates.
+    test_loader = loader(test_set, range(ctx["rank"], len(test_set), ctx["world_size"]), args.test_batch_size, device)
+
+    net = Net(dropout=not args.no_dropout).to(device)
+    model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+
+    epochs, totals = [], torch.zeros(4, dtype=torch.float64)
+    for epoch in range(1, args.epochs + 1):
+        sampler.set_epoch(epoch)
+        sums, clocks = train_epoch(model, train_loader, optimizer, device, args, ctx, epoch)
+        dist.all_reduce(sums)  # global sums over all ranks
+        dist.all_reduce(clocks, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        scheduler.step()
+        # The bare module: ranks run different numbers of test batches, and DDP's forward may talk to peers.
+        test_totals = evaluate(net, test_loader, device)
+        dist.all_reduce(test_totals)
+        test_loss, correct, count = test_totals.tolist()
+        (loss_sum, samples, steady_samples), (epoch_s, steady_s, steps) = sums.tolist(), clocks.tolist()
+        totals += torch.tensor([samples, steady_samples, steady_s, steps], dtype=torch.float64)
+        epochs.append(dict(epoch=epoch, train_time_s=epoch_s, train_loss=loss_sum / samples,
+                           test_loss=test_loss / count, test_accuracy=correct / count, test_samples=int(count)))
+        if ctx["master"]:
+            print(f"epoch {epoch}: train loss {loss_sum / samples:.4f}, test loss {test_loss / count:.4f}, "
+                  f"accuracy {correct / count:.2%} of {int(count)} images, {epoch_s:.1f} s", flush=True)
+
+    peak_memory = torch.tensor(peak_memory_bytes(device), dtype=torch.float64, device=device)
+    dist.all_reduce(peak_memory, op=dist.ReduceOp.MAX)
+    record = metrics_record(args, ctx, epochs, totals.tolist() + [peak_memory.item()])
+    if ctx["master"]:
+        print(f"{MODE}: {record['samples_per_s'] or 0:.0f} samples/s, world size {ctx['world_size']}, {device}"
+              + (" (synthetic data: accuracy is meaningless)" if args.synthetic else ""))
+        if args.save_model:
+            torch.save(net.state_dict(), args.save_model)
+        if args.metrics_json:
+            write_json_atomically(args.metrics_json, record)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    check_args(args)
+    ctx = setup(args)
+    try:
+        run(args, ctx)
+    except dist.DistError as e:  # a peer died or timed out: say so in one line
+        fail(f"rank {ctx['rank']}: the process group failed: {str(e).splitlines()[0]}")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
