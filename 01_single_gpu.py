@@ -117,11 +117,12 @@ def train_epoch(model, train_loader, optimizer, device, args, ctx, epoch):
     """One epoch. Returns this process's sums (loss, samples, steady samples) and clocks (epoch s, steady s, steps)."""
     model.train()
     loss_sum, samples, steady_samples, steps = torch.zeros((), dtype=torch.float64, device=device), 0, 0, 0
-    warmup = min(WARMUP_STEPS, len(train_loader) - 1) if epoch == 1 else 0
+    steps_planned = min(len(train_loader), args.max_steps or len(train_loader))
+    warmup = min(WARMUP_STEPS, steps_planned - 1) if epoch == 1 else 0  # at least one step is timed
     synchronize(device)
     t_start = t_steady = time.perf_counter()
     for step, (data, target) in enumerate(train_loader):
-        if step == args.max_steps > 0:
+        if step == steps_planned:
             break
         if step == warmup:
             synchronize(device)  # GPU work is asynchronous: read the clock only once it is done
@@ -178,7 +179,8 @@ def metrics_record(args, ctx, epochs, totals):
         world_size=ctx["world_size"], nodes=ctx["nodes"], backend=ctx["backend"], threads=ctx["threads"],
         per_device_batch=args.batch_size, global_batch=args.batch_size * ctx["world_size"], lr=args.lr,
         epochs=args.epochs, steps=int(steps), train_samples=int(samples),
-        samples_per_s=steady_samples / steady_s if steady_s > 0 else None, epochs_detail=epochs,
+        samples_per_s=steady_samples / steady_s if steady_s > 0 else None, steady_samples=int(steady_samples),
+        steady_time_s=steady_s, epochs_detail=epochs,
         test_accuracy=epochs[-1]["test_accuracy"], test_loss=epochs[-1]["test_loss"],
         peak_memory_bytes=int(peak_memory), synthetic=args.synthetic, torch_version=torch.__version__,
         argv=sys.argv)

@@ -1,0 +1,111 @@
+"""Shared test fixtures: a small learnable MNIST in torchvision's raw layout, and running scripts as a user does."""
+import importlib.util
+import os
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ["01_single_gpu.py", "02_data_parallel.py", "03_ddp_launch.py", "04_ddp_spawn.py", "05_multinode_mnist.py"]
+TRAIN_IMAGES, TEST_IMAGES = 4096, 10000  # the test split has MNIST's real size: evaluation must count all 10,000
+# Environment for runs that must not reach the network: any download attempt fails at once.
+NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA (skipped where there is none)")
+    config.addinivalue_line("markers", "slow: takes more than half a minute")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+def write_idx(path, array, magic):
+    with open(path, "wb") as f:
+        f.write(struct.pack(">I", magic) + b"".join(struct.pack(">I", d) for d in array.shape))
+        f.write(array.numpy().tobytes())
+
+
+def learnable_mnist(n, generator):
+    """Each class is a fixed random stroke pattern plus noise: learnable in a few dozen steps, not trivially."""
+    prototypes = (torch.rand(10, 28, 28, generator=torch.Generator().manual_seed(0)) > 0.8).float()
+    labels = torch.randint(0, 10, (n,), generator=generator)
+    images = 160 * prototypes[labels] + 95 * torch.rand(n, 28, 28, generator=generator)
+    return images.to(torch.uint8), labels.to(torch.uint8)
+
+
+def make_mnist(root):
+    raw = Path(root) / "MNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(1)
+    for split, n in (("train", TRAIN_IMAGES), ("t10k", TEST_IMAGES)):
+        images, labels = learnable_mnist(n, g)
+        write_idx(raw / f"{split}-images-idx3-ubyte", images, 2051)
+        write_idx(raw / f"{split}-labels-idx1-ubyte", labels, 2049)
+    return Path(root)
+
+
+@pytest.fixture(scope="session")
+def mnist_dir(tmp_path_factory):
+    return make_mnist(tmp_path_factory.mktemp("mnist"))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def script_command(script, *args, nprocs=None):
+    """The command a user types: torchrun for 03, python for the others."""
+    if script.startswith("03") and nprocs:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}"]
+        return launcher + [str(ROOT / script), *map(str, args)]
+    return [sys.executable, str(ROOT / script), *map(str, args)]
+
+
+def run(command, timeout=180, env=None, check=True):
+    """Run a command from the repository root; a hang fails the test instead of CI."""
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    if check:
+        assert result.returncode == 0, f"{command} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+        assert "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+def start(command, env=None):
+    """Start a command in the background (one "node" of a multi-node job)."""
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def run_two_nodes(*args, gpus=1, timeout=180, env=None):
+    """05 as two "nodes" on this host: node 1 in the background, node 0 in front. Returns node 0's result."""
+    port = free_port()
+    common = ["-n", 2, "-g", gpus, "--master-port", port, *args]
+    node1 = start(script_command("05_multinode_mnist.py", *common, "--nr", 1), env=env)
+    try:
+        node0 = run(script_command("05_multinode_mnist.py", *common, "--nr", 0), timeout=timeout, env=env)
+        assert node1.wait(timeout=60) == 0, node1.communicate()
+    finally:
+        node1.kill()
+    return node0
+
+
+def import_script(name):
+    """Load a numbered script as a module (their names start with digits), to call its functions."""
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py").replace("-", "_"), ROOT / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,0 +1,159 @@
+"""The five trainers, run as a user runs them: they learn, agree with each other, and count every test image once."""
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import (NO_NETWORK, ROOT, SCRIPTS, TEST_IMAGES, free_port, import_script, run, run_two_nodes,
+                      script_command)
+
+# Every key of the metrics record in DESIGN.md.
+RECORD_KEYS = {"schema", "script", "mode", "device_type", "device_names", "world_size", "nodes", "backend",
+               "per_device_batch", "global_batch", "lr", "epochs", "steps", "train_samples", "samples_per_s",
+               "epochs_detail", "test_accuracy", "test_loss", "peak_memory_bytes", "synthetic", "torch_version", "argv"}
+EPOCH_KEYS = {"epoch", "train_time_s", "train_loss", "test_loss", "test_accuracy", "test_samples"}
+B = 32  # per-replica batch of the comparison runs; the single-process runs take 2 * B
+
+
+def train_args(data_dir, out, *extra):
+    return ["--data-dir", data_dir, "--metrics-json", out / "metrics.json", "--save-model", out / "model.pt",
+            "--log-interval", 1, *extra]
+
+
+def run_mode(script, data_dir, out, *extra, timeout=180):
+    """Train with one script under the batch-size rules; returns (stdout of the printing rank(s), record, weights)."""
+    out.mkdir(parents=True, exist_ok=True)
+    args = train_args(data_dir, out, *extra)
+    if script.startswith("01") or script.startswith("02"):
+        result = run(script_command(script, *args, "--batch-size", 2 * B), timeout=timeout)
+    elif script.startswith("03"):
+        result = run(script_command(script, *args, "--batch-size", B, nprocs=2), timeout=timeout)
+    elif script.startswith("04"):
+        result = run(script_command(script, *args, "--batch-size", B, "--nprocs", 2), timeout=timeout)
+    else:
+        result = run_two_nodes(*args, "--batch-size", B, timeout=timeout)
+    record = json.loads((out / "metrics.json").read_text())
+    return result.stdout, record, torch.load(out / "model.pt")
+
+
+@pytest.fixture(scope="module")
+def same_batch_runs(mnist_dir, tmp_path_factory):
+    """Every mode at global batch 2B for two short epochs, dropout off so that the updates can be compared."""
+    tmp = tmp_path_factory.mktemp("same-batch")
+    extra = ["--epochs", 2, "--max-steps", 3, "--no-dropout"]
+    return {script: run_mode(script, mnist_dir, tmp / script, *extra) for script in SCRIPTS}
+
+
+def test_same_global_batch_gives_the_same_update(same_batch_runs):
+    reference = same_batch_runs["01_single_gpu.py"][2]
+    for script, (_, record, weights) in same_batch_runs.items():
+        assert record["global_batch"] == 2 * B and record["steps"] == 6
+        for name, tensor in reference.items():
+            torch.testing.assert_close(weights[name], tensor, rtol=1e-4, atol=1e-5, msg=f"{script}: {name}")
+
+
+def test_metrics_record_is_complete_and_consistent(same_batch_runs):
+    for script, (_, record, _) in same_batch_runs.items():
+        assert RECORD_KEYS <= record.keys(), f"{script} misses {RECORD_KEYS - record.keys()}"
+        assert record["script"] == script and record["schema"] == 1
+        assert record["per_device_batch"] * record["world_size"] == record["global_batch"]
+        assert record["train_samples"] == record["steps"] * record["global_batch"]
+        assert [e["epoch"] for e in record["epochs_detail"]] == [1, 2]
+        assert all(EPOCH_KEYS <= e.keys() and e["test_samples"] == TEST_IMAGES for e in record["epochs_detail"])
+        # Warm-up steps (5, capped so one step is timed) are left out of the throughput of epoch 1 only.
+        warmup_samples = 2 * record["global_batch"]
+        assert record["steady_samples"] == record["train_samples"] - warmup_samples
+        assert record["samples_per_s"] == pytest.approx(record["steady_samples"] / record["steady_time_s"])
+        assert record["steady_time_s"] < sum(e["train_time_s"] for e in record["epochs_detail"])
+        assert record["peak_memory_bytes"] > 0 and record["synthetic"] is False
+
+
+def test_distributed_modes_record_their_world(same_batch_runs):
+    cores = len(os.sched_getaffinity(0))
+    expected = {"01_single_gpu.py": ("single", 1, 1), "02_data_parallel.py": ("dp", 1, 1),
+                "03_ddp_launch.py": ("ddp_launch", 2, 1), "04_ddp_spawn.py": ("ddp_spawn", 2, 1),
+                "05_multinode_mnist.py": ("ddp_multinode", 2, 2)}
+    for script, (mode, world_size, nodes) in expected.items():
+        record = same_batch_runs[script][1]
+        assert (record["mode"], record["world_size"], record["nodes"]) == (mode, world_size, nodes)
+        if world_size > 1:
+            assert record["backend"] == "gloo"
+            # Processes on one host split its cores (two "nodes" on one host each think they own it).
+            assert record["threads"] == max(1, cores // (world_size // nodes))
+
+
+def test_only_rank_zero_prints_epoch_lines(same_batch_runs):
+    for script, (stdout, _, _) in same_batch_runs.items():
+        assert stdout.count("epoch 2:") == 1, f"{script}:\n{stdout}"
+        assert stdout.count("epoch 2 step 0/") == 1, f"{script}:\n{stdout}"
+
+
+def evaluate_on_one_process(mnist_dir, weights):
+    """What a single process makes of the same weights: the reference for the distributed evaluation."""
+    single = import_script("01_single_gpu.py")
+    args = single.parse_args(["--data-dir", str(mnist_dir)])
+    test_set = single.load_mnist(args, train=False)
+    net = single.Net()
+    net.load_state_dict(weights)
+    cpu = torch.device("cpu")
+    loss, correct, count = single.evaluate(net, single.loader(test_set, range(len(test_set)), 1000, cpu), cpu).tolist()
+    return correct / count, loss / count, int(count)
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3])  # 3 does not divide 10,000: padding would count duplicates
+def test_evaluation_counts_every_test_image_once(nprocs, mnist_dir, tmp_path):
+    args = train_args(mnist_dir, tmp_path, "--max-steps", 3, "--batch-size", B)
+    result = run(script_command("03_ddp_launch.py", *args, nprocs=nprocs if nprocs > 1 else None))
+    if nprocs == 1:  # plain python: a world of one, and it says so
+        assert "not started by torchrun" in result.stderr
+    record = json.loads((tmp_path / "metrics.json").read_text())
+    assert record["world_size"] == nprocs
+    accuracy, loss, count = evaluate_on_one_process(mnist_dir, torch.load(tmp_path / "model.pt"))
+    assert record["epochs_detail"][0]["test_samples"] == count == TEST_IMAGES
+    assert record["test_accuracy"] == accuracy
+    assert record["test_loss"] == pytest.approx(loss, rel=1e-6)
+
+
+def test_training_learns(mnist_dir, tmp_path):
+    run(script_command("01_single_gpu.py", *train_args(mnist_dir, tmp_path, "--max-steps", 40)))
+    record = json.loads((tmp_path / "metrics.json").read_text())
+    assert record["test_accuracy"] > 0.6, "chance is 0.1"
+    assert record["epochs_detail"][0]["train_loss"] < 2.0
+
+
+def test_legacy_launcher_passes_local_rank_and_still_works(mnist_dir, tmp_path):
+    command = [*script_command("03_ddp_launch.py")[:1], "-m", "torch.distributed.launch", "--nproc_per_node", "2",
+               str(ROOT / "03_ddp_launch.py"), *map(str, train_args(mnist_dir, tmp_path, "--max-steps", 2))]
+    run(command)
+    record = json.loads((tmp_path / "metrics.json").read_text())
+    assert record["world_size"] == 2 and record["argv"][-1].startswith("--local")
+
+
+def test_each_epoch_has_its_own_shuffle_and_the_group_is_destroyed(mnist_dir, monkeypatch):
+    """In-process, as a world of one: record the training batches of two epochs."""
+    module = import_script("03_ddp_launch.py")
+    seen = []
+
+    class RecordingBatchSampler(module.BatchSampler):
+        def __iter__(self):
+            for batch in super().__iter__():
+                if isinstance(self.sampler, module.DistributedSampler):
+                    seen.append((self.sampler.epoch, batch))
+                yield batch
+
+    monkeypatch.setattr(module, "BatchSampler", RecordingBatchSampler)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    module.main(["--data-dir", str(mnist_dir), "--epochs", "2", "--max-steps", "2", "--log-interval", "0"])
+    first, second = ([b for e, b in seen if e == epoch] for epoch in (1, 2))
+    assert len(first) == len(second) == 2 and first != second
+    assert not dist.is_initialized()
+
+
+def test_one_process_per_node_downloads_and_a_missing_dataset_fails_clearly(tmp_path):
+    result = run(script_command("03_ddp_launch.py", "--data-dir", tmp_path, nprocs=2), env=NO_NETWORK, check=False)
+    assert result.returncode != 0
+    assert result.stderr.count("MNIST could not be loaded") == 1, result.stderr  # rank 1 waited, it did not try
+    assert "--synthetic" in result.stderr
