@@ -145,21 +145,22 @@ def check_numbers(args):
         raise BadArgument("give either --resume or --force, not both")
 
 
-def prepare_out(path, resume, force):
-    """Make the folder and prove it can be written, before any run spends minutes."""
-    for sub in ("", "logs", "metrics"):
-        try:
-            os.makedirs(os.path.join(path, sub), exist_ok=True)
-        except OSError as e:
-            raise BadArgument(f"cannot create output folder {path}: {e.strerror}")
-    probe = os.path.join(path, f".write-test{os.getpid()}")
-    try:
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError as e:
-        raise BadArgument(f"cannot write to output folder {path}: {e.strerror}")
+def check_out(path, resume, force):
+    """Prove the folder can be made and written before anything is downloaded or run (nothing is created yet)."""
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise BadArgument(f"cannot create output folder {path}: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise BadArgument(f"cannot write to output folder {path}: {existing} is not writable")
     if os.path.exists(os.path.join(path, "runs.csv")) and not (resume or force):
         raise BadArgument(f"{path} already holds a sweep: --resume continues it, --force replaces it, --out chooses another folder")
+
+
+def make_out(path):
+    for sub in ("logs", "metrics"):
+        os.makedirs(os.path.join(path, sub), exist_ok=True)
 
 
 def prepare_data(settings, download):
@@ -180,7 +181,7 @@ def prepare_data(settings, download):
             for train in (True, False):
                 datasets.MNIST(settings.data_dir, train=train, download=True)
     except Exception as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        reason = (str(e).splitlines()[0].rstrip(": ") if str(e) else "") or type(e).__name__
         raise BadArgument(f"MNIST is not in {raw} and could not be downloaded ({reason}); "
                           "put the four idx files there or pass --synthetic for throughput only")
 
@@ -240,11 +241,18 @@ def run_sweep(runs, done, settings, out_dir):
         row = sweep.perform(run, settings, REPO, out_dir)
         walls.append(row["wall_s"])
         by_key[run.key] = row
-        write_tables(out_dir, [by_key.get(r.key) or done[r.key] for r in runs if r.key in by_key or r.key in done])
+        write_tables(out_dir, _rows(runs, done, by_key))
         result = (_measured(row) if row["status"] == "ok" else f"{row['error']}, log {os.path.join(out_dir, row['log_path'])}")
         print(f"{tag}: {row['status']} in {row['wall_s']:.1f} s, {result}; elapsed {clock(time.monotonic() - t0)}"
               f"{_eta(walls, len(todo) - i)}", flush=True)
-    return [by_key.get(r.key) or done[r.key] for r in runs]
+    return _rows(runs, done, by_key)
+
+
+def _rows(runs, done, fresh):
+    """runs.csv in plan order; ok runs of an earlier attempt outside this plan (other --modes) are kept."""
+    planned = {r.key for r in runs}
+    return ([fresh.get(r.key) or done[r.key] for r in runs if r.key in fresh or r.key in done]
+            + [row for key, row in done.items() if key not in planned])
 
 
 def _measured(row):
@@ -285,11 +293,15 @@ def main(argv=None):
         devices, cpu_processes, gpu_names = choose_devices(args)
         settings = settings_from(args, devices, cpu_processes)
         out_dir = os.path.abspath(args.out or os.path.join(REPO, "results", envinfo.machine_tag(gpu_names, cpu_processes)))
-        prepare_out(out_dir, args.resume, args.force)
+        check_out(out_dir, args.resume, args.force)
         done = load_done(out_dir, settings, args.resume)
         prepare_data(settings, not args.no_download)
+        make_out(out_dir)
     except BadArgument as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the folder could still fail to be made (a full disk, a race): say so in one line
+        print(f"error: cannot create output folder {out_dir}: {e.strerror}", file=sys.stderr)
         return 2
 
     runs = sweep.plan(settings, modes, variants, args.repeats)

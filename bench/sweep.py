@@ -280,11 +280,16 @@ def perform(run, settings, repo, out_dir):
     else:
         row.update(status="ok", error="")
     if record is not None:
-        row.update({k: record.get(k) for k in RECORD_COLUMNS})
+        row.update({k: _integral(record.get(k)) for k in RECORD_COLUMNS})
         row["time_to_target_s"] = None if record.get("synthetic") else time_to_target(record, settings.target_acc)
     if row["status"] != "ok":
         row["log_tail"] = log_tail(logs)
     return row
+
+
+def _integral(value):
+    # A count written as 64.0 by a script stays a count in the tables.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def _read_record(path):
