@@ -156,9 +156,7 @@ def train_epoch(model, train_loader, optimizer, device, args, ctx, epoch):
     warmup = min(WARMUP_STEPS, steps_planned - 1) if epoch == 1 else 0  # at least one step is timed
     synchronize(device)
     t_start = t_steady = time.perf_counter()
-    for step, (data, target) in enumerate(train_loader):
-        if step == steps_planned:
-            break
+    for step, (data, target) in zip(range(steps_planned), train_loader):
         if step == warmup:
             synchronize(device)  # GPU work is asynchronous: read the clock only once it is done
             t_steady = time.perf_counter()

@@ -230,8 +230,7 @@ def clock(seconds):
 
 def run_sweep(runs, done, settings, out_dir):
     """Run what is not done yet; runs.csv is rewritten after every run so that a stop loses at most one."""
-    rows, t0, walls, todo = [], time.monotonic(), [], [r for r in runs if r.key not in done]
-    by_key = {}
+    t0, walls, todo, by_key = time.monotonic(), [], [r for r in runs if r.key not in done], {}
     print(f"{len(runs)} runs planned, {len(runs) - len(todo)} already done (--resume), {len(todo)} to do", flush=True)
     for i, run in enumerate(todo, 1):
         unit = "GPUs" if not settings.cpu else "processes"
@@ -313,10 +312,10 @@ def main(argv=None):
     print(f"benchmarking on {env['hardware']} -> {out_dir}", flush=True)
     try:
         rows = run_sweep(runs, done, settings, out_dir)
+        frame = finish(out_dir, rows, settings, env, sweep.skipped(settings, modes), command)
     except KeyboardInterrupt:
         print(f"\ninterrupted: the finished runs are in {out_dir}/runs.csv; add --resume to continue", file=sys.stderr)
         return 130
-    frame = finish(out_dir, rows, settings, env, sweep.skipped(settings, modes), command)
     failed = frame[frame["status"] != "ok"]
     print(f"done: {len(frame) - len(failed)} of {len(frame)} runs ok; report {os.path.join(out_dir, 'report.md')}")
     for _, row in failed.iterrows():
