@@ -43,16 +43,16 @@ class Net(nn.Module):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default="data", help="where torchvision's MNIST lives (downloaded if missing)")
-    p.add_argument("--synthetic", action="store_true", help="random MNIST-shaped data: throughput only, accuracy meaningless")
+    p.add_argument("--synthetic", action="store_true", help="random MNIST-shaped data: for throughput only")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=64, help="batch of this process's loader")
     p.add_argument("--test-batch-size", type=int, default=1000)
     p.add_argument("--lr", type=float, default=1.0, help="Adadelta learning rate, decayed by 0.7 each epoch")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--max-steps", type=int, default=0, help="stop each epoch's training after this many steps (0: no limit)")
+    p.add_argument("--max-steps", type=int, default=0, help="train at most this many steps per epoch (0: all)")
     p.add_argument("--log-interval", type=int, default=100, help="steps between progress lines (0: none)")
     p.add_argument("--cpu", action="store_true", help="ignore GPUs")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads per process (default: the cores / processes here)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads per process (default: cores / processes)")
     p.add_argument("--no-dropout", action="store_true", help="disable dropout (for exact comparisons between modes)")
     p.add_argument("--save-model", metavar="PATH", help="save the trained weights (state_dict) here")
     p.add_argument("--metrics-json", metavar="PATH", help="write the run's metrics record here")
@@ -114,7 +114,7 @@ def synchronize(device):
 
 
 def train_epoch(model, train_loader, optimizer, device, args, ctx, epoch):
-    """One epoch. Returns this process's sums (loss, samples, steady samples) and clocks (epoch s, steady s, steps)."""
+    """One epoch. Returns this process's sums (loss, samples, steady samples), clocks (epoch s, steady s, steps)."""
     model.train()
     loss_sum, samples, steady_samples, steps = torch.zeros((), dtype=torch.float64, device=device), 0, 0, 0
     steps_planned = min(len(train_loader), args.max_steps or len(train_loader))
@@ -131,7 +131,8 @@ def train_epoch(model, train_loader, optimizer, device, args, ctx, epoch):
         loss.backward()
         optimizer.step()
         loss_sum += loss.detach() * len(target)  # stays on the device: no synchronisation per step
-        samples, steady_samples, steps = samples + len(target), steady_samples + len(target) * (step >= warmup), steps + 1
+        samples, steps = samples + len(target), steps + 1
+        steady_samples += len(target) if step >= warmup else 0
         if ctx["master"] and args.log_interval and step % args.log_interval == 0:
             print(f"epoch {epoch} step {step}/{len(train_loader)} loss {loss.item():.4f}", flush=True)
     synchronize(device)
@@ -149,8 +150,8 @@ def evaluate(model, test_loader, device):
     for data, target in test_loader:
         data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
         output = model(data)
-        totals[0] += F.cross_entropy(output, target, reduction="sum").item()
-        totals[1] += (output.argmax(dim=1) == target).sum().item()
+        totals[0] += F.cross_entropy(output, target, reduction="sum")
+        totals[1] += (output.argmax(dim=1) == target).sum()
         totals[2] += len(target)
     return totals
 

@@ -51,21 +51,22 @@ class Net(nn.Module):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default="data", help="where torchvision's MNIST lives (downloaded if missing)")
-    p.add_argument("--synthetic", action="store_true", help="random MNIST-shaped data: throughput only, accuracy meaningless")
+    p.add_argument("--synthetic", action="store_true", help="random MNIST-shaped data: for throughput only")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=64, help="batch of this process's loader")
     p.add_argument("--test-batch-size", type=int, default=1000)
     p.add_argument("--lr", type=float, default=1.0, help="Adadelta learning rate, decayed by 0.7 each epoch")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--max-steps", type=int, default=0, help="stop each epoch's training after this many steps (0: no limit)")
+    p.add_argument("--max-steps", type=int, default=0, help="train at most this many steps per epoch (0: all)")
     p.add_argument("--log-interval", type=int, default=100, help="steps between progress lines (0: none)")
     p.add_argument("--cpu", action="store_true", help="ignore GPUs")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads per process (default: the cores / processes here)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads per process (default: cores / processes)")
     p.add_argument("--no-dropout", action="store_true", help="disable dropout (for exact comparisons between modes)")
     p.add_argument("--save-model", metavar="PATH", help="save the trained weights (state_dict) here")
     p.add_argument("--metrics-json", metavar="PATH", help="write the run's metrics record here")
     p.add_argument("--timeout", type=float, default=300, help="seconds a process waits for its peers before failing")
-    p.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the legacy launcher; LOCAL_RANK is used
+    # The legacy launcher passes --local-rank; like torchrun it also sets LOCAL_RANK, which is what we read.
+    p.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -149,7 +150,7 @@ def synchronize(device):
 
 
 def train_epoch(model, train_loader, optimizer, device, args, ctx, epoch):
-    """One epoch. Returns this process's sums (loss, samples, steady samples) and clocks (epoch s, steady s, steps)."""
+    """One epoch. Returns this process's sums (loss, samples, steady samples), clocks (epoch s, steady s, steps)."""
     model.train()
     loss_sum, samples, steady_samples, steps = torch.zeros((), dtype=torch.float64, device=device), 0, 0, 0
     steps_planned = min(len(train_loader), args.max_steps or len(train_loader))
@@ -166,7 +167,8 @@ def train_epoch(model, train_loader, optimizer, device, args, ctx, epoch):
         loss.backward()
         optimizer.step()
         loss_sum += loss.detach() * len(target)  # stays on the device: no synchronisation per step
-        samples, steady_samples, steps = samples + len(target), steady_samples + len(target) * (step >= warmup), steps + 1
+        samples, steps = samples + len(target), steps + 1
+        steady_samples += len(target) if step >= warmup else 0
         if ctx["master"] and args.log_interval and step % args.log_interval == 0:
             print(f"epoch {epoch} step {step}/{len(train_loader)} loss {loss.item():.4f}", flush=True)
     synchronize(device)
@@ -184,8 +186,8 @@ def evaluate(model, test_loader, device):
     for data, target in test_loader:
         data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
         output = model(data)
-        totals[0] += F.cross_entropy(output, target, reduction="sum").item()
-        totals[1] += (output.argmax(dim=1) == target).sum().item()
+        totals[0] += F.cross_entropy(output, target, reduction="sum")
+        totals[1] += (output.argmax(dim=1) == target).sum()
         totals[2] += len(target)
     return totals
 
@@ -228,10 +230,11 @@ def run(args, ctx):
     if ctx["local_rank"] == 0:
         dist.barrier()
     # Each rank trains on its own 1/world_size of every shuffled epoch.
-    sampler = DistributedSampler(train_set, num_replicas=ctx["world_size"], rank=ctx["rank"], shuffle=True, seed=args.seed)
+    sampler = DistributedSampler(train_set, ctx["world_size"], ctx["rank"], shuffle=True, seed=args.seed)
     train_loader = loader(train_set, sampler, args.batch_size, device)
     # Each rank evaluates every world_size-th test image: all 10,000 exactly once, no padded duplicates.
-    test_loader = loader(test_set, range(ctx["rank"], len(test_set), ctx["world_size"]), args.test_batch_size, device)
+    test_shard = range(ctx["rank"], len(test_set), ctx["world_size"])
+    test_loader = loader(test_set, test_shard, args.test_batch_size, device)
 
     net = Net(dropout=not args.no_dropout).to(device)
     model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
@@ -275,7 +278,7 @@ def main(argv=None):
     ctx = setup(args)
     try:
         run(args, ctx)
-    except RuntimeError as e:  # a peer that died or timed out ends this rank in one line; other errors keep their traceback
+    except RuntimeError as e:  # a peer died or timed out: say so in one line; other errors keep their traceback
         if not isinstance(e, dist.DistError) and not any(w in str(e).lower() for w in ("peer", "timed out")):
             raise
         fail(f"rank {ctx['rank']} lost its peers (did another process fail first?): {str(e).splitlines()[0]}")

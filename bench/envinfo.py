@@ -1,4 +1,5 @@
 """What the machine is: GPUs, CPU, versions. Stored beside every result so that it can be compared later."""
+import json
 import os
 import platform
 import re
@@ -84,7 +85,6 @@ def _torch_versions():
             " cuda_available=torch.cuda.is_available())))")
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-        import json
         return json.loads(out.stdout.strip().splitlines()[-1])
     except Exception as e:  # versions are nice to have; a broken torch shows up in the runs anyway
         return {"error": f"{type(e).__name__}: {e}"}

@@ -28,6 +28,11 @@ def _figure(title, hardware, xlabel, ylabel):
     return fig, ax
 
 
+def _legend(ax):
+    # Outside the axes, so that it never hides a bar or a point.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0, fontsize=9)
+
+
 def _note(ax, text):
     ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=10, color="0.4", wrap=True)
 
@@ -46,7 +51,7 @@ def throughput(summary, hardware, xlabel, path):
         ax.plot(ns, [n * base["samples_per_s"].iloc[0] for n in ns], "k--", label="ideal: n x 01")
     _integer_ticks(ax, summary)
     ax.set_ylim(bottom=0)
-    ax.legend()
+    _legend(ax)
     save_figure(fig, path)
     plt.close(fig)
 
@@ -64,7 +69,7 @@ def efficiency(summary, hardware, xlabel, path):
         _note(ax, "no baseline: 01 at n = 1 did not run or did not finish")
     _integer_ticks(ax, summary)
     ax.set_ylim(bottom=0)
-    ax.legend()
+    _legend(ax)
     save_figure(fig, path)
     plt.close(fig)
 
@@ -84,7 +89,7 @@ def _bars(summary, column, scale, hardware, title, xlabel, ylabel, path, empty_n
             drawn = True
     ax.set_xticks(range(len(ns)), [str(n) for n in ns])
     if drawn:
-        ax.legend()
+        _legend(ax)
     else:
         _note(ax, empty_note)
     save_figure(fig, path)

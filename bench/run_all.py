@@ -21,7 +21,7 @@ the same sweep runs on the CPU with n = 1..N processes and the gloo backend.
 Without --synthetic the runs train on real MNIST from --data-dir, which is downloaded once before the
 sweep when missing; if it cannot be, the harness stops with one line (it never falls back to random data).
 Defaults: on GPUs 3 full epochs; on the CPU 1 epoch of at most 150 steps per run (the whole default CPU
-sweep, 7 runs, takes about 3 minutes on 2 cores).
+sweep, 7 runs, took 5.5 minutes on a busy 2-core VM).
 
 Writes under --out (default results/<machine tag>): runs.csv (one row per run, failed ones too), summary.csv
 (medians per mode and n, speed-up and scaling efficiency E(n) = X(n) / (n X(01))), env.json, four PNG

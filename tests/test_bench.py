@@ -67,6 +67,16 @@ def test_gpu_commands_follow_the_batch_size_rules_and_choose_gpus_with_cuda_visi
             assert cmds[0][1][1:4] == ["--standalone", "--nproc_per_node", str(run.n)]
 
 
+def test_a_variant_repeats_the_sweep_with_its_flags_and_its_own_run_ids():
+    settings = gpu_settings(["0", "1"])
+    runs = sweep.plan(settings, ["single", "ddp_spawn"], [("base", []), ("amp", ["--amp"])], repeats=2)
+    assert len(runs) == 2 * 2 * 3 and len({r.run_id for r in runs}) == len(runs)
+    for run in runs:
+        argv = sweep.commands(run, settings, "m.json")[0][1]
+        assert ("--amp" in argv) == (run.variant == "amp")
+        assert argv[argv.index("--seed") + 1] == str(run.repeat)  # each repeat its own seed
+
+
 def test_time_to_target_counts_training_time_until_the_first_epoch_at_target():
     epochs = [dict(train_time_s=10, test_accuracy=0.95), dict(train_time_s=9, test_accuracy=0.981),
               dict(train_time_s=8, test_accuracy=0.99)]

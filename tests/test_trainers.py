@@ -144,9 +144,14 @@ def test_each_epoch_has_its_own_shuffle_and_the_group_is_destroyed(mnist_dir, mo
                 yield batch
 
     monkeypatch.setattr(module, "BatchSampler", RecordingBatchSampler)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    module.main(["--data-dir", str(mnist_dir), "--epochs", "2", "--max-steps", "2", "--log-interval", "0"])
+    saved = dict(os.environ)  # the script sets RANK, MASTER_PORT, ...: later tests' subprocesses must not inherit them
+    try:
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(key, None)
+        module.main(["--data-dir", str(mnist_dir), "--epochs", "2", "--max-steps", "2", "--log-interval", "0"])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     first, second = ([b for e, b in seen if e == epoch] for epoch in (1, 2))
     assert len(first) == len(second) == 2 and first != second
     assert not dist.is_initialized()
