@@ -17,7 +17,8 @@ def _run(cmd, timeout=30):
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() if out.returncode == 0 else None
+    # nvidia-smi underlines its header with terminal escape codes even into a pipe: keep the text only.
+    return re.sub(r"\x1b\[[0-9;]*m", "", out.stdout).strip() if out.returncode == 0 else None
 
 
 def gpus():
