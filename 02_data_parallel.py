@@ -180,7 +180,7 @@ def evaluate(model, test_loader, device):
 
 
 def peak_memory_bytes(device):
-    if device.type == "cuda":  # the first GPU: it holds the gathered outputs, so it is the fullest
+    if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak resident memory, KiB on Linux
 
@@ -237,6 +237,7 @@ def run(args, ctx):
             print(f"epoch {epoch}: train loss {loss_sum / samples:.4f}, test loss {test_loss / count:.4f}, "
                   f"accuracy {correct / count:.2%} of {int(count)} images, {epoch_s:.1f} s", flush=True)
 
+    # The first GPU's: it holds the model's master copy and the gathered outputs, so it is the fullest.
     peak_memory = torch.tensor(peak_memory_bytes(device), dtype=torch.float64)
     record = metrics_record(args, ctx, epochs, totals.tolist() + [peak_memory.item()])
     if ctx["master"]:

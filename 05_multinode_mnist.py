@@ -8,10 +8,13 @@
     python 05_multinode_mnist.py -n 2 -g 1 --nr 1 --master-port 29512 --synthetic
 
 -g is the number of processes on each node (one per GPU); global rank = node rank x g + local rank.
+Under SLURM (srun, one task per node: slurm/multinode.sbatch) the defaults of -n, --nr and --master-addr come
+from SLURM_NTASKS, SLURM_PROCID and the first host of SLURM_JOB_NODELIST.
 """
 import argparse
 import json
 import os
+import re
 import resource
 import socket
 import sys
@@ -50,6 +53,12 @@ class Net(nn.Module):
         return self.fc2(self.dropout2(x))
 
 
+def first_host(nodelist):
+    """The first host of a SLURM node list, which is node 0: 'gpu[07-09,12],cpu1' -> 'gpu07'."""
+    name, first = re.match(r"([^,\[]+)(?:\[([^-,\]]+))?", nodelist).groups()
+    return name + (first or "")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default="data", help="where torchvision's MNIST lives (downloaded if missing)")
@@ -67,11 +76,13 @@ def parse_args(argv=None):
     p.add_argument("--save-model", metavar="PATH", help="save the trained weights (state_dict) here")
     p.add_argument("--metrics-json", metavar="PATH", help="write the run's metrics record here")
     p.add_argument("--timeout", type=float, default=300, help="seconds a process waits for its peers before failing")
-    p.add_argument("-n", "--nodes", type=int, default=1, help="machines taking part")
+    p.add_argument("-n", "--nodes", type=int, default=int(os.environ.get("SLURM_NTASKS", 1)), help="machines")
     p.add_argument("-g", "--gpus", type=int, default=torch.cuda.device_count() or 1,
                    help="processes on this node, one per GPU (default: the visible GPUs, or 1 on the CPU)")
-    p.add_argument("--nr", "--node-rank", dest="node_rank", type=int, default=0, help="this node's rank, 0..nodes-1")
-    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"), help="address of node 0")
+    p.add_argument("--nr", "--node-rank", dest="node_rank", type=int, default=int(os.environ.get("SLURM_PROCID", 0)),
+                   help="this node's rank, 0..nodes-1")
+    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR") or first_host(os.environ.get(
+        "SLURM_JOB_NODELIST", "127.0.0.1")), help="address of node 0")
     p.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", 0)),
                    help="port on node 0 that every node can reach (a free one is chosen only for -n 1)")
     return p.parse_args(argv)

@@ -1,0 +1,76 @@
+"""What the README teaches is kept true: its diffs are current, the scripts share their common parts word for
+word, the pitfalls it describes are real, and the SLURM batch script starts a working multi-node job."""
+import ast
+import json
+import os
+import stat
+import subprocess
+import sys
+
+from torch.utils.data import DistributedSampler
+
+from conftest import ROOT, SCRIPTS, TEST_IMAGES, free_port, run
+
+SHARED = ["Net", "fail", "load_mnist", "loader", "synchronize", "train_epoch", "evaluate", "peak_memory_bytes",
+          "write_json_atomically"]
+
+
+def definitions(script):
+    source = (ROOT / script).read_text()
+    return {node.name: ast.get_source_segment(source, node) for node in ast.parse(source).body
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+
+
+def test_the_scripts_share_model_data_pipeline_and_evaluation_word_for_word():
+    reference = definitions(SCRIPTS[0])
+    for script in SCRIPTS[1:]:
+        mine = definitions(script)
+        for name in SHARED:
+            assert mine.get(name) == reference[name], f"{script}: {name} differs from {SCRIPTS[0]}'s"
+
+
+def test_readme_diffs_and_html_views_are_current():
+    result = subprocess.run([sys.executable, "tools/script_diffs.py", "--check"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_stale_diff_is_caught(tmp_path):
+    for name in [*SCRIPTS, "README.md"]:
+        (tmp_path / name).write_text((ROOT / name).read_text())
+    subprocess.run([sys.executable, ROOT / "tools/script_diffs.py", "--root", tmp_path], check=True, timeout=60)
+    with open(tmp_path / "04_ddp_spawn.py", "a") as f:
+        f.write("# an edit the README has not seen\n")
+    result = subprocess.run([sys.executable, ROOT / "tools/script_diffs.py", "--root", tmp_path, "--check"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "README.md" in result.stderr
+
+
+def test_pitfall_distributed_sampler_pads_the_test_set():
+    """Why the scripts shard the test set themselves: DistributedSampler repeats images to even out the shards."""
+    counted = sum(len(DistributedSampler(range(TEST_IMAGES), num_replicas=3, rank=r, shuffle=False)) for r in range(3))
+    assert counted == TEST_IMAGES + 2
+
+
+FAKE_SRUN = """#!/bin/bash
+# srun on one host: start the command once per task, as SLURM would on each node.
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do SLURM_PROCID=$i "$@" & pids+=($!); done
+for pid in "${pids[@]}"; do wait "$pid" || exit 1; done
+"""
+
+
+def test_slurm_batch_script_starts_the_multinode_job(mnist_dir, tmp_path):
+    srun = tmp_path / "bin" / "srun"
+    srun.parent.mkdir()
+    srun.write_text(FAKE_SRUN)
+    srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
+    env = {"PATH": f"{srun.parent}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "SLURM_NTASKS": "2",
+           "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost", "SLURM_GPUS_ON_NODE": "1",
+           "MASTER_PORT": str(free_port())}
+    metrics = tmp_path / "metrics.json"
+    args = ["--data-dir", mnist_dir, "--max-steps", 2, "--log-interval", 0, "--cpu", "--metrics-json", metrics]
+    run(["bash", "slurm/multinode.sbatch", *map(str, args)], env=env)
+    record = json.loads(metrics.read_text())
+    assert (record["mode"], record["nodes"], record["world_size"]) == ("ddp_multinode", 2, 2)
+    assert record["epochs_detail"][0]["test_samples"] == TEST_IMAGES
