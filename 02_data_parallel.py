@@ -127,8 +127,9 @@ def load_mnist(args, train):
 
 def loader(dataset, sampler, batch_size, device):
     # The sampler's indices are fetched a whole batch at a time; pinned memory lets copies to the GPU overlap.
+    # Its own generator: starting an epoch must not draw from the global RNG that dropout uses.
     return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last=False), batch_size=None,
-                      pin_memory=device.type == "cuda")
+                      pin_memory=device.type == "cuda", generator=torch.Generator())
 
 
 def synchronize(device):

@@ -76,6 +76,8 @@ def parse_args(argv=None):
     p.add_argument("--save-model", metavar="PATH", help="save the trained weights (state_dict) here")
     p.add_argument("--metrics-json", metavar="PATH", help="write the run's metrics record here")
     p.add_argument("--timeout", type=float, default=300, help="seconds a process waits for its peers before failing")
+    p.add_argument("--snapshot", metavar="PATH", help="save training state here each epoch; resume from it if it exists")
+    p.add_argument("--snapshot-every", type=int, default=0, metavar="N", help="also save every N steps")
     p.add_argument("-n", "--nodes", type=int, default=int(os.environ.get("SLURM_NTASKS", 1)), help="machines")
     p.add_argument("-g", "--gpus", type=int, default=torch.cuda.device_count() or 1,
                    help="processes on this node, one per GPU (default: the visible GPUs, or 1 on the CPU)")
@@ -98,8 +100,8 @@ def check_args(args):
     for name in ("epochs", "batch_size", "test_batch_size"):
         if getattr(args, name) <= 0:
             fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.max_steps < 0 or args.log_interval < 0 or args.threads < 0 or args.timeout <= 0:
-        fail("--max-steps and --log-interval must be zero or positive, --timeout positive")
+    if min(args.max_steps, args.log_interval, args.threads, args.snapshot_every) < 0 or args.timeout <= 0:
+        fail("--max-steps, --log-interval, --threads and --snapshot-every must not be negative, --timeout positive")
     if args.nodes <= 0 or args.gpus <= 0:
         fail(f"-n/--nodes and -g/--gpus must be positive, got {args.nodes} and {args.gpus}")
     if not 0 <= args.node_rank < args.nodes:
@@ -108,7 +110,7 @@ def check_args(args):
         fail(f"-g {args.gpus}: only {torch.cuda.device_count()} GPU(s) are visible, one per process")
     if not 0 <= args.master_port <= 65535 or (args.master_port == 0 and args.nodes > 1):
         fail(f"--master-port {args.master_port}: give every node the same port, 1..65535, open on node 0")
-    for path in (args.metrics_json, args.save_model):
+    for path in (args.metrics_json, args.save_model, args.snapshot):
         if path and (os.path.isdir(path) or not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK)):
             fail(f"cannot write {path}: its folder does not exist or is not writable")
 
@@ -161,8 +163,9 @@ def load_mnist(args, train):
 
 def loader(dataset, sampler, batch_size, device):
     # The sampler's indices are fetched a whole batch at a time; pinned memory lets copies to the GPU overlap.
+    # Its own generator: starting an epoch must not draw from the global RNG that dropout uses.
     return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last=False), batch_size=None,
-                      pin_memory=device.type == "cuda")
+                      pin_memory=device.type == "cuda", generator=torch.Generator())
 
 
 def synchronize(device):
@@ -170,15 +173,18 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def train_epoch(model, train_loader, optimizer, device, args, ctx, epoch):
-    """One epoch. Returns this process's sums (loss, samples, steady samples), clocks (epoch s, steady s, steps)."""
+def train_epoch(model, train_loader, optimizer, device, args, ctx, epoch, start_step=0, snapshot=None):
+    """One epoch from start_step, saving a snapshot every --snapshot-every steps.
+    Returns this process's sums (loss, samples, steady samples), clocks (epoch s, steady s, steps)."""
     model.train()
     loss_sum, samples, steady_samples, steps = torch.zeros((), dtype=torch.float64, device=device), 0, 0, 0
     steps_planned = min(len(train_loader), args.max_steps or len(train_loader))
-    warmup = min(WARMUP_STEPS, steps_planned - 1) if epoch == 1 else 0  # at least one step is timed
+    warmup = min(start_step + WARMUP_STEPS, steps_planned - 1) if epoch == 1 or start_step else 0
     synchronize(device)
     t_start = t_steady = time.perf_counter()
     for step, (data, target) in zip(range(steps_planned), train_loader):
+        if step < start_step:
+            continue  # trained before a restart: the sampler repeats the epoch's order, so skip to where we were
         if step == warmup:
             synchronize(device)  # GPU work is asynchronous: read the clock only once it is done
             t_steady = time.perf_counter()
@@ -192,6 +198,8 @@ def train_epoch(model, train_loader, optimizer, device, args, ctx, epoch):
         steady_samples += len(target) if step >= warmup else 0
         if ctx["master"] and args.log_interval and step % args.log_interval == 0:
             print(f"epoch {epoch} step {step}/{len(train_loader)} loss {loss.item():.4f}", flush=True)
+        if snapshot and args.snapshot_every and (step + 1) % args.snapshot_every == 0:
+            snapshot(epoch, step + 1)
     synchronize(device)
     t_end = time.perf_counter()
     counts = torch.tensor([samples, steady_samples], dtype=torch.float64, device=device)
@@ -224,6 +232,40 @@ def write_json_atomically(path, record):
     with open(tmp, "w") as f:
         json.dump(record, f, indent=2)
     os.replace(tmp, path)  # a reader never sees half a file, and a crash never leaves one
+
+
+def rng_states(device):
+    return [torch.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])
+
+
+def save_snapshot(path, ctx, net, optimizer, scheduler, epoch, step):
+    """All that continuing exactly needs: weights, optimizer, schedule, position, and every rank's RNG (dropout)."""
+    rngs = [None] * ctx["world_size"]
+    dist.all_gather_object(rngs, rng_states(ctx["device"]))
+    if ctx["master"]:
+        state = dict(model=net.state_dict(), optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
+                     epoch=epoch, step=step, rngs=rngs)
+        torch.save(state, f"{path}.tmp")
+        os.replace(f"{path}.tmp", path)  # a kill during the save leaves the previous snapshot whole
+
+
+def resume(path, ctx, net, optimizer, scheduler):
+    """(epoch, step) to continue from: the snapshot's, loaded on every rank onto its own device, or (1, 0)."""
+    if not (path and os.path.exists(path)):
+        return 1, 0
+    try:
+        state = torch.load(path, map_location=ctx["device"])
+        net.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+    except Exception as e:
+        fail(f"snapshot {path} could not be loaded ({str(e).splitlines()[0]}); move it away to start afresh")
+    torch.set_rng_state(state["rngs"][ctx["rank"]][0].cpu())
+    if ctx["device"].type == "cuda":
+        torch.cuda.set_rng_state(state["rngs"][ctx["rank"]][1].cpu(), ctx["device"])
+    if ctx["master"]:
+        print(f"resuming from {path}: epoch {state['epoch']}, step {state['step']}", flush=True)
+    return state["epoch"], state["step"]
 
 
 def metrics_record(args, ctx, epochs, totals):
@@ -261,11 +303,17 @@ def run(args, ctx):
     model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    first_epoch, start_step = resume(args.snapshot, ctx, net, optimizer, scheduler)
+    snapshot = args.snapshot and (lambda *at: save_snapshot(args.snapshot, ctx, net, optimizer, scheduler, *at))
+    if first_epoch > args.epochs:
+        print(f"{args.snapshot} has finished all {args.epochs} epochs: nothing left to train", file=sys.stderr)
+        return
 
     epochs, totals = [], torch.zeros(4, dtype=torch.float64)
-    for epoch in range(1, args.epochs + 1):
+    for epoch in range(first_epoch, args.epochs + 1):
         sampler.set_epoch(epoch)
-        sums, clocks = train_epoch(model, train_loader, optimizer, device, args, ctx, epoch)
+        sums, clocks = train_epoch(model, train_loader, optimizer, device, args, ctx, epoch,
+                                   start_step if epoch == first_epoch else 0, snapshot)
         dist.all_reduce(sums)  # global sums over all ranks
         dist.all_reduce(clocks, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
         scheduler.step()
@@ -273,12 +321,15 @@ def run(args, ctx):
         test_totals = evaluate(net, test_loader, device)
         dist.all_reduce(test_totals)
         test_loss, correct, count = test_totals.tolist()
+        if snapshot:
+            snapshot(epoch + 1, 0)
         (loss_sum, samples, steady_samples), (epoch_s, steady_s, steps) = sums.tolist(), clocks.tolist()
+        train_loss = loss_sum / max(samples, 1)  # a run resumed at the very end of an epoch trains no step in it
         totals += torch.tensor([samples, steady_samples, steady_s, steps], dtype=torch.float64)
-        epochs.append(dict(epoch=epoch, train_time_s=epoch_s, train_loss=loss_sum / samples,
+        epochs.append(dict(epoch=epoch, train_time_s=epoch_s, train_loss=train_loss,
                            test_loss=test_loss / count, test_accuracy=correct / count, test_samples=int(count)))
         if ctx["master"]:
-            print(f"epoch {epoch}: train loss {loss_sum / samples:.4f}, test loss {test_loss / count:.4f}, "
+            print(f"epoch {epoch}: train loss {train_loss:.4f}, test loss {test_loss / count:.4f}, "
                   f"accuracy {correct / count:.2%} of {int(count)} images, {epoch_s:.1f} s", flush=True)
 
     peak_memory = torch.tensor(peak_memory_bytes(device), dtype=torch.float64, device=device)
@@ -310,7 +361,10 @@ def main(argv=None):
     os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port or free_port()))
     try:
         mp.spawn(worker, args=(args,), nprocs=args.gpus)
-    except mp.ProcessExitedException as e:  # the process that failed has said why
+    except mp.ProcessExitedException as e:  # the others have been stopped; one that failed has said why
+        if e.signal_name:  # killed from outside: nobody has said anything yet
+            print(f"error: process {e.error_index} was killed by {e.signal_name}; the others were stopped",
+                  file=sys.stderr)
         sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
 
 

@@ -1,0 +1,161 @@
+"""Reliability: a killed worker is restarted and resumes exactly, a save cannot be torn, failures end quickly
+and clearly, jobs on one host never collide on a port, and 05 runs between two network namespaces."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, free_port, run, run_two_nodes, script_command, start
+
+TRAIN = ["--epochs", 2, "--batch-size", 32, "--log-interval", 0, "--snapshot-every", 8]
+
+
+def children(pid):
+    """Process ids whose parent is pid (what torchrun and mp.spawn start)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            kids += [int(stat.parent.name)] if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid else []
+        except (OSError, IndexError, ValueError):
+            pass  # the process ended while we looked
+    return kids
+
+
+def wait_for(condition, timeout, interval=0.005):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(interval)
+
+
+def torchrun_03(out, mnist_dir, *launcher_args):
+    args = ["--data-dir", mnist_dir, "--snapshot", out / "snapshot.pt", "--save-model", out / "model.pt",
+            "--metrics-json", out / "metrics.json", *TRAIN]
+    out.mkdir()
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            *launcher_args, str(ROOT / "03_ddp_launch.py"), *map(str, args)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(mnist_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    run(torchrun_03(out, mnist_dir))
+    return json.loads((out / "metrics.json").read_text()), torch.load(out / "model.pt")
+
+
+def test_a_killed_worker_is_restarted_and_training_resumes_exactly(uninterrupted, mnist_dir, tmp_path):
+    out = tmp_path / "killed"
+    job = start(torchrun_03(out, mnist_dir, "--max-restarts", "3"))
+    try:
+        wait_for(lambda: (out / "snapshot.pt").exists(), timeout=120)  # the first snapshot: mid-epoch 1
+        os.kill(max(children(job.pid)), signal.SIGKILL)
+        stdout, stderr = job.communicate(timeout=240)
+    finally:
+        job.kill()
+    assert job.returncode == 0, stderr
+    assert "resuming from" in stdout, stdout
+    record, weights = json.loads((out / "metrics.json").read_text()), torch.load(out / "model.pt")
+    reference_record, reference_weights = uninterrupted
+    assert all(torch.equal(weights[k], reference_weights[k]) for k in reference_weights), "weights differ"
+    assert (record["test_accuracy"], record["test_loss"]) == (reference_record["test_accuracy"],
+                                                             reference_record["test_loss"])
+
+
+def test_a_kill_during_a_save_leaves_the_last_snapshot_loadable(mnist_dir, tmp_path):
+    snapshot = tmp_path / "snapshot.pt"
+    job = start(script_command("03_ddp_launch.py", "--data-dir", mnist_dir, "--snapshot", snapshot,
+                               "--snapshot-every", 1, "--log-interval", 0))
+    try:
+        wait_for(snapshot.exists, timeout=120)
+        wait_for(Path(f"{snapshot}.tmp").exists, timeout=60, interval=0.0005)  # a save is under way
+        job.send_signal(signal.SIGKILL)
+        job.wait(timeout=30)
+    finally:
+        job.kill()
+    state = torch.load(snapshot)
+    assert state["epoch"] == 1 and state["step"] >= 1 and "model" in state
+
+
+def test_a_killed_rank_ends_the_job_quickly_and_says_why(mnist_dir):
+    job = start(script_command("04_ddp_spawn.py", "--data-dir", mnist_dir, "--nprocs", 2, "--epochs", 5,
+                               "--log-interval", 1, "--timeout", 30))
+    try:
+        wait_for(lambda: job.stdout.readline().startswith("epoch 1 step 2/"), timeout=120)
+        os.kill(max(children(job.pid)), signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode != 0 and time.monotonic() - killed < 30
+    assert "Traceback" not in stderr and "killed by SIGKILL" in stderr, stderr
+
+
+def test_three_jobs_at_once_on_one_host_do_not_collide(mnist_dir, tmp_path):
+    jobs = [start(script_command("04_ddp_spawn.py", "--data-dir", mnist_dir, "--nprocs", 2, "--max-steps", 2,
+                                 "--threads", 1, "--log-interval", 0, "--metrics-json", tmp_path / f"{i}.json"))
+            for i in range(3)]
+    try:
+        results = [job.communicate(timeout=240) for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+    assert [job.returncode for job in jobs] == [0, 0, 0], [stderr for _, stderr in results]
+    assert all(json.loads((tmp_path / f"{i}.json").read_text())["world_size"] == 2 for i in range(3))
+
+
+def namespaces_available():
+    return shutil.which("ip") and os.geteuid() == 0 and subprocess.run(
+        ["ip", "netns", "add", "mnist-probe"], capture_output=True).returncode == 0 and not subprocess.run(
+        ["ip", "netns", "delete", "mnist-probe"]).returncode
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair: 10.77.0.1 (node 0) and 10.77.0.2 (node 1)."""
+    if not namespaces_available():
+        pytest.skip("network namespaces cannot be made here (needs root and iproute2)")
+    names = [f"mnist-node{i}-{os.getpid()}" for i in range(2)]
+    sh = lambda *cmd: subprocess.run(cmd, check=True, capture_output=True)  # noqa: E731
+    try:
+        for name in names:
+            sh("ip", "netns", "add", name)
+        sh("ip", "link", "add", "veth-mn0", "netns", names[0], "type", "veth", "peer", "name", "veth-mn1",
+           "netns", names[1])
+        for i, name in enumerate(names):
+            sh("ip", "-n", name, "addr", "add", f"10.77.0.{i + 1}/24", "dev", f"veth-mn{i}")
+            sh("ip", "-n", name, "link", "set", f"veth-mn{i}", "up")
+            sh("ip", "-n", name, "link", "set", "lo", "up")
+        yield names
+    finally:
+        for name in names:
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+def test_multinode_runs_between_two_hosts_like_on_loopback(two_hosts, mnist_dir, tmp_path):
+    args = ["--data-dir", mnist_dir, "--max-steps", 4, "--log-interval", 0, "--no-dropout", "--threads", 1]
+    port = free_port()
+
+    def node(i, *extra):  # node i in its own namespace, gloo bound to that namespace's interface
+        return ["ip", "netns", "exec", two_hosts[i], "env", f"GLOO_SOCKET_IFNAME=veth-mn{i}",
+                *script_command("05_multinode_mnist.py", "-n", 2, "-g", 1, "--nr", i, "--master-addr", "10.77.0.1",
+                                "--master-port", port, *args, *extra)]
+
+    node1 = start(node(1))
+    try:
+        run(node(0, "--metrics-json", tmp_path / "two-hosts.json"), timeout=240)
+        assert node1.wait(timeout=60) == 0, node1.communicate()
+    finally:
+        node1.kill()
+    run_two_nodes(*args, "--metrics-json", tmp_path / "loopback.json")
+    two_hosts_record, loopback_record = (json.loads((tmp_path / f"{name}.json").read_text())
+                                         for name in ("two-hosts", "loopback"))
+    assert (two_hosts_record["world_size"], two_hosts_record["nodes"]) == (2, 2)
+    for key in ("test_accuracy", "test_loss", "train_samples"):
+        assert two_hosts_record[key] == loopback_record[key], key
