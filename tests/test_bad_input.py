@@ -1,4 +1,5 @@
-"""Bad input: one clear line on stderr, a non-zero exit, no traceback, and nothing already written is damaged."""
+"""Bad input: one clear line on stderr, a non-zero exit, no traceback, and nothing already written is damaged
+(the data, an existing snapshot, metrics file or results folder are byte-identical afterwards)."""
 import shutil
 import socket
 
@@ -9,8 +10,8 @@ from conftest import NO_NETWORK, free_port, run, script_command
 
 def corrupt(name, how):
     """Damage one file of a copy of the test MNIST."""
-    def damage(data_dir):
-        path = data_dir / "MNIST" / "raw" / name
+    def damage(tmp_path):
+        path = tmp_path / "data" / "MNIST" / "raw" / name
         content = path.read_bytes()
         path.write_bytes(content[: len(content) // 2] if how == "truncate" else b"\x00\x00\x00\x00" + content[4:])
     return damage
@@ -33,6 +34,9 @@ CASES = {
     "corrupt file": ("01_single_gpu.py", [], "could not be loaded", corrupt("train-labels-idx1-ubyte", "magic")),
     "metrics folder missing": ("01_single_gpu.py", ["--metrics-json", "{tmp}/missing/m.json"], "cannot write", None),
     "metrics path is a folder": ("04_ddp_spawn.py", ["--metrics-json", "{tmp}"], "cannot write", None),
+    "corrupt snapshot": ("03_ddp_launch.py", ["--snapshot", "{tmp}/snapshot.pt"], "snapshot",
+                         lambda tmp_path: (tmp_path / "snapshot.pt").write_bytes(b"not a snapshot")),
+    "negative snapshot interval": ("05_multinode_mnist.py", ["--snapshot-every", "-1"], "must not be negative", None),
 }
 
 
@@ -50,7 +54,9 @@ def test_bad_input_fails_with_one_clear_line(case, mnist_dir, tmp_path):
     if prepare != "empty":
         shutil.copytree(mnist_dir, data_dir)
         if prepare:
-            prepare(data_dir)
+            prepare(tmp_path)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "runs.csv").write_text("mode,n\nsingle,1\n")  # an earlier harness run
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     metrics = tmp_path / "metrics.json"
     metrics.write_text('{"earlier": "run"}')
