@@ -54,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--cpu", action="store_true", help="ignore GPUs")
     p.add_argument("--threads", type=int, default=0, help="CPU threads per process (default: cores / processes)")
     p.add_argument("--no-dropout", action="store_true", help="disable dropout (for exact comparisons between modes)")
+    p.add_argument("--amp", action="store_true", help="train in bfloat16 autocast (evaluation stays in float32)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--save-model", metavar="PATH", help="save the trained weights (state_dict) here")
     p.add_argument("--metrics-json", metavar="PATH", help="write the run's metrics record here")
     return p.parse_args(argv)
@@ -128,7 +130,8 @@ def train_epoch(model, train_loader, optimizer, device, args, ctx, epoch):
             t_steady = time.perf_counter()
         data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(data), target)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
+            loss = F.cross_entropy(model(data), target)
         loss.backward()
         optimizer.step()
         loss_sum += loss.detach() * len(target)  # stays on the device: no synchronisation per step
@@ -182,8 +185,8 @@ def metrics_record(args, ctx, epochs, totals):
         samples_per_s=steady_samples / steady_s if steady_s > 0 else None, steady_samples=int(steady_samples),
         steady_time_s=steady_s, epochs_detail=epochs,
         test_accuracy=epochs[-1]["test_accuracy"], test_loss=epochs[-1]["test_loss"],
-        peak_memory_bytes=int(peak_memory), synthetic=args.synthetic, torch_version=torch.__version__,
-        argv=sys.argv)
+        peak_memory_bytes=int(peak_memory), synthetic=args.synthetic, amp=args.amp, compile=args.compile,
+        torch_version=torch.__version__, argv=sys.argv)
 
 
 def run(args, ctx):
@@ -196,6 +199,7 @@ def run(args, ctx):
     test_loader = loader(test_set, range(len(test_set)), args.test_batch_size, device)
 
     model = net = Net(dropout=not args.no_dropout).to(device)
+    model = torch.compile(model) if args.compile else model
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
 
