@@ -71,8 +71,8 @@ def check_args(args):
     for name in ("epochs", "batch_size", "test_batch_size"):
         if getattr(args, name) <= 0:
             fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.max_steps < 0 or args.log_interval < 0 or args.threads < 0:
-        fail("--max-steps and --log-interval must be zero or positive")
+    if min(args.max_steps, args.log_interval, args.threads) < 0:
+        fail("--max-steps, --log-interval and --threads must not be negative")
     for path in (args.metrics_json, args.save_model):
         if path and (os.path.isdir(path) or not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK)):
             fail(f"cannot write {path}: its folder does not exist or is not writable")

@@ -35,10 +35,14 @@ def summarize(runs):
 def _fmt(value, column):
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
+    if column in ("ratio", "speedup"):
+        return f"{value:.2f}x"
+    if column == "accuracy_diff":
+        return f"{100 * value:+.2f} pp"
+    if column == "pct_of_limit":
+        return f"{value:.0%}"
     if column in ("efficiency", "test_accuracy"):
         return f"{value:.1%}" if column == "efficiency" else f"{value:.2%}"
-    if column == "speedup":
-        return f"{value:.2f}x"
     if column == "peak_memory_bytes":
         return f"{value / 2**20:.0f} MiB"
     if isinstance(value, float):
@@ -61,6 +65,92 @@ SUMMARY_VIEW = [("variant", "variant"), ("mode", "mode"), ("n", "n"), ("runs", "
                 ("peak_memory_bytes", "peak memory"), ("wall_s", "wall (s)")]
 
 
+VARIANT_VIEW = [("variant", "variant"), ("mode", "mode"), ("n", "n"), ("base_samples_per_s", "base samples/s"),
+                ("samples_per_s", "variant samples/s"), ("ratio", "variant / base"),
+                ("accuracy_diff", "accuracy: variant - base")]
+LIMIT_VIEW = [("variant", "variant"), ("mode", "mode"), ("n", "n"), ("samples_per_s", "measured samples/s"),
+              ("t1_ms", "t1 (ms)"), ("t_ar_ms", "t_ar (ms)"), ("x_serial", "X_serial"), ("x_overlap", "X_overlap"),
+              ("pct_of_limit", "% of the limit")]
+LIMITED_MODES = ["dp", "ddp_launch", "ddp_spawn", "ddp_multinode"]  # 01 is the model's input, not its subject
+
+
+def variant_table(summary):
+    """Per variant other than base and per (mode, n) that both ran: samples/s of each, ratio, accuracy change."""
+    keys = ["mode", "n"]
+    base = summary[summary["variant"] == "base"][keys + ["samples_per_s", "test_accuracy"]]
+    other = summary[summary["variant"] != "base"][["variant"] + keys + ["samples_per_s", "test_accuracy"]]
+    table = other.merge(base, on=keys, suffixes=("", "_base"))
+    table = table.rename(columns={"samples_per_s_base": "base_samples_per_s"})
+    table["ratio"] = table["samples_per_s"] / table["base_samples_per_s"]
+    table["accuracy_diff"] = table["test_accuracy"] - table["test_accuracy_base"]
+    return table[[c for c, _ in VARIANT_VIEW]]
+
+
+def allreduce_seconds(env):
+    """{n: seconds of one all-reduce of the model's gradient} from env.json's figures (failed ones left out)."""
+    figures = env.get("allreduce") or {}
+    return {int(n): f["gradient_row"]["time_us"] * 1e-6 for n, f in figures.items() if f.get("gradient_row")}
+
+
+def limit_model(summary, allreduce_s):
+    """Each dp/DDP row against its limit. Per step one device computes for t1 = B / X(01 at n=1) (the same
+    variant's 01), then the gradients are all-reduced in t_ar(n) (0 at n = 1). Fully overlapped the step
+    takes max(t1, t_ar), fully serial t1 + t_ar; n devices train n * B samples per step."""
+    single = summary[(summary["mode"] == "single") & (summary["n"] == 1)].set_index("variant")["samples_per_s"]
+    rows = summary[summary["mode"].isin(LIMITED_MODES) & summary["variant"].isin(single.index)].copy()
+    batch, n = rows["per_device_batch"].astype(float), rows["n"]
+    t1 = batch / rows["variant"].map(single)
+    t_ar = n.map(lambda k: 0.0 if k == 1 else allreduce_s.get(k, math.nan))  # NaN: not measured, no limit
+    rows["t1_ms"], rows["t_ar_ms"] = 1e3 * t1, 1e3 * t_ar
+    rows["x_serial"] = n * batch / (t1 + t_ar)
+    rows["x_overlap"] = n * batch / pd.concat([t1, t_ar], axis=1).max(axis=1, skipna=False)
+    rows["pct_of_limit"] = rows["samples_per_s"] / rows["x_overlap"]
+    return rows[[c for c, _ in LIMIT_VIEW]].reset_index(drop=True)
+
+
+def _view(view, many_variants):
+    """Columns and headers of a table; the variant column only when there is more than one."""
+    chosen = [(c, h) for c, h in view if c != "variant" or many_variants]
+    return [c for c, _ in chosen], [h for _, h in chosen]
+
+
+def variant_section(summary, settings):
+    table = variant_table(summary)
+    if table.empty:
+        return []
+    lines = ["## Variants vs base", "",
+             "What each variant buys, per mode and n: samples/s of the variant and of the base sweep (same mode, n "
+             "and batches), their ratio, and the change in final test accuracy (percentage points).", ""]
+    if settings.synthetic:
+        lines += ["Accuracies on --synthetic data are meaningless (random images and labels): ignore that column.", ""]
+    return lines + [markdown_table(table, *_view(VARIANT_VIEW, True)), ""]
+
+
+def limit_section(summary, env, settings):
+    table = limit_model(summary, allreduce_seconds(env))
+    if table.empty:
+        return []
+    B = settings.per_gpu_batch
+    lines = ["## Limit model", "",
+             f"Each DataParallel and DDP run against a simple model of its limit. Per step one device computes for "
+             f"t1 = {B} / X(01 at n = 1) (this sweep's own 01 median), then the gradients are all-reduced in "
+             f"t_ar(n), measured before the sweep by bench/allreduce.py at the model's gradient size (none at "
+             f"n = 1). Fully overlapped X_overlap(n) = n x {B} / max(t1, t_ar(n)); fully serial "
+             f"X_serial(n) = n x {B} / (t1 + t_ar(n)). '% of the limit' = measured / X_overlap.", "",
+             markdown_table(table, *_view(LIMIT_VIEW, table["variant"].nunique() > 1)), ""]
+    for n, figure in sorted((env.get("allreduce") or {}).items(), key=lambda item: int(item[0])):
+        if figure.get("error"):
+            lines += [f"All-reduce at n = {n} not measured ({figure['error']}): its limits are left out.", ""]
+    if ((table["mode"] == "dp") & (table["n"] > 1)).any():
+        lines += ["02 (DataParallel) has no all-reduce and is set against the same overlapped limit; it falls "
+                  "behind because one process scatters every batch, replicates the model to each GPU every step "
+                  "and gathers the outputs on GPU 0, all from one Python thread (the GIL).", ""]
+    if settings.cpu:
+        lines += [f"On the CPU t1 comes from 01 using all {settings.cores} cores, while each of the n DDP processes "
+                  f"gets cores / n threads: this limit is optimistic.", ""]
+    return lines
+
+
 def write_summary(out_dir, runs):
     summary = summarize(runs)
     write_csv(os.path.join(out_dir, "summary.csv"), summary)
@@ -69,8 +159,7 @@ def write_summary(out_dir, runs):
 
 def write_report(out_dir, runs, summary, env, settings, skipped, harness_command):
     """report.md: readable on its own, with the table, the plots, the environment and every command."""
-    cols = [c for c, _ in SUMMARY_VIEW if c != "variant" or summary["variant"].nunique() > 1]
-    heads = [h for c, h in SUMMARY_VIEW if c in cols]
+    cols, heads = _view(SUMMARY_VIEW, summary["variant"].nunique() > 1)
     unit = "processes" if settings.cpu else "GPUs"
     lines = [f"# Multi-GPU MNIST benchmark: {env['hardware']}", "",
              f"n = number of {unit}. Batch-size rules: 01 trains with --batch-size {settings.per_gpu_batch}; "
@@ -83,10 +172,11 @@ def write_report(out_dir, runs, summary, env, settings, skipped, harness_command
              (f"at most {settings.max_steps} steps per epoch, " if settings.max_steps else "full epochs, ") +
              f"test batch {settings.test_batch_size}, target accuracy {settings.target_acc:.2%}, " +
              ("**synthetic data** (throughput only: accuracy and time to target are meaningless and left out)"
-              if settings.synthetic else f"MNIST from {settings.data_dir}") + ".", "",
+              if settings.synthetic else f"MNIST from {settings.data_dir}") + ".", "", loader_line(env, summary), "",
              "## Summary", "", markdown_table(summary, cols, heads) if len(summary) else "No run finished.", ""]
     if skipped:
         lines += ["Left out: " + "; ".join(f"{SCRIPTS[m]} at n = {n} ({why})" for m, n, why in skipped) + ".", ""]
+    lines += variant_section(summary, settings) + limit_section(summary, env, settings)
     lines += ["## Plots", ""] + [f"![{title}]({name})\n" for name, title in PLOTS if os.path.exists(os.path.join(out_dir, name))]
     failed = runs[runs["status"] != "ok"]
     lines += ["## Failed runs", ""] + (["None.", ""] if failed.empty else [])
@@ -101,6 +191,21 @@ def write_report(out_dir, runs, summary, env, settings, skipped, harness_command
               "Each run (logs in `logs/`, metrics records in `metrics/`, every row in `runs.csv`):", "",
               "```"] + [f"# {r['run_id']} [{r['status']}]\n{r['command']}" for _, r in runs.iterrows()] + ["```", ""]
     write_text(os.path.join(out_dir, "report.md"), "\n".join(lines))
+
+
+def loader_line(env, summary):
+    """The input pipeline alone (bench/loader_speed.py) against 01's training throughput in this sweep."""
+    loader = env.get("loader") or {}
+    if not loader.get("loader_samples_per_s"):
+        return f"Loader alone: not measured ({loader.get('error', 'no figure')})."
+    speed = loader["loader_samples_per_s"]
+    line = f"Loader alone (bench/loader_speed.py, batch {loader['batch_size']}): {speed:,.0f} samples/s"
+    base = summary[(summary["mode"] == "single") & (summary["n"] == 1) & (summary["variant"] == "base")]
+    if base.empty or not base["samples_per_s"].iloc[0] > 0:
+        return line + "; 01 did not run in this sweep, so there is no ratio."
+    train = base["samples_per_s"].iloc[0]
+    return line + f" = {speed / train:,.0f} x 01's training throughput ({train:,.0f} samples/s): the input " \
+                  f"pipeline is not what this benchmark measures when that is at least {loader['required_ratio']}x."
 
 
 def _env_rows(env):

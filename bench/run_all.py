@@ -24,14 +24,22 @@ Defaults: on GPUs 3 full epochs; on the CPU 1 epoch of at most 150 steps per run
 sweep, 7 runs, took 5.5 minutes on a busy 2-core VM).
 
 Writes under --out (default results/<machine tag>): runs.csv (one row per run, failed ones too), summary.csv
-(medians per mode and n, speed-up and scaling efficiency E(n) = X(n) / (n X(01))), env.json, four PNG
-plots, report.md, logs/<run-id>.log and metrics/<run-id>.json. Exit status: 0 when every run finished, 1
-when any failed, 2 for bad arguments (nothing is run), 130 after Ctrl-C (rerun with --resume).
+(medians per mode and n, speed-up and scaling efficiency E(n) = X(n) / (n X(01))), env.json (with the input
+pipeline's own speed from bench/loader_speed.py, also in loader_speed.json, and the all-reduce times below),
+four PNG plots, report.md, logs/<run-id>.log and metrics/<run-id>.json. Exit status: 0 when every run
+finished, 1 when any failed, 2 for bad arguments (nothing is run), 130 after Ctrl-C (rerun with --resume).
 
-Extra script flags: --variant NAME="FLAGS" adds the whole sweep again with FLAGS given to every script
-(e.g. --variant amp="--amp"). The environment variable BENCH_EXTRA_ARGS adds flags to every run and
-BENCH_EXTRA_ARGS_<MODE> (e.g. BENCH_EXTRA_ARGS_DDP_SPAWN="--timeout 60") to one mode's runs; both are
-recorded in each run's command and in env.json.
+Before the runs, for every n >= 2, bench/allreduce.py times the all-reduce of the model's gradient with the
+sweep's backend (a few seconds per n; env.json "allreduce", also allreduce-n<N>.json; a failure is noted
+and the sweep goes on). report.md sets every DDP and DataParallel run against the limit that this
+all-reduce and 01's own step time allow.
+
+Variants: --variants amp,compile adds the whole sweep again with --amp, and again with --compile, given to
+every script (names: amp, compile, amp+compile); --variant NAME="FLAGS" adds one with any flags (e.g.
+--variant lr2="--lr 2"). report.md compares each variant with the base sweep, per mode and n. The
+environment variable BENCH_EXTRA_ARGS adds flags to every run and BENCH_EXTRA_ARGS_<MODE> (e.g.
+BENCH_EXTRA_ARGS_DDP_SPAWN="--timeout 60") to one mode's runs; both are recorded in each run's command and
+in env.json.
 """
 import argparse
 import os
@@ -42,7 +50,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling modules, from any working directory
 
+import allreduce  # noqa: E402
 import envinfo  # noqa: E402
+import loader_speed  # noqa: E402
 import sweep  # noqa: E402
 from files import write_csv, write_json  # noqa: E402
 
@@ -51,6 +61,8 @@ MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-image
 ALIASES = {"01": "single", "02": "dp", "03": "ddp_launch", "04": "ddp_spawn", "05": "ddp_multinode"}
 DEFAULT_CPU_PROCESSES = 2
 DEFAULTS = dict(gpu=dict(epochs=3, max_steps=0), cpu=dict(epochs=1, max_steps=150))
+# --variants NAME,...: the one place that maps a variant's name to the script flags it adds.
+VARIANTS = {"amp": ["--amp"], "compile": ["--compile"], "amp+compile": ["--amp", "--compile"]}
 
 
 class BadArgument(Exception):
@@ -82,6 +94,8 @@ def parse_args(argv):
     p.add_argument("--no-download", action="store_true", help="stop if MNIST is not in --data-dir instead of downloading it")
     p.add_argument("--target-acc", type=float, default=0.98, help="test accuracy for time to accuracy (default 0.98)")
     p.add_argument("--timeout", type=float, default=600, help="seconds before a run is killed (default 600)")
+    p.add_argument("--variants", default="", metavar="NAME,...",
+                   help=f"repeat the sweep once per named variant, from {', '.join(VARIANTS)}")
     p.add_argument("--variant", action="append", default=[], metavar='NAME="FLAGS"',
                    help="repeat the sweep with these extra script flags (repeatable)")
     p.add_argument("--out", help="output folder (default results/<machine tag>)")
@@ -101,14 +115,24 @@ def parse_modes(text):
     return [m for m in sweep.MODES if m in modes]  # reading order, whatever order was given
 
 
-def parse_variants(specs):
-    variants = [("base", [])]
+def parse_variants(specs, names=""):
+    """[(name, script flags)]: the base sweep, then --variants' named ones, then each --variant NAME="FLAGS"."""
+    variants = [("base", [])] + [(name, VARIANTS[name]) for name in known_variants(names)]
     for spec in specs:
         name, sep, flags = spec.partition("=")
         if not sep or not name.isidentifier() or name == "base" or name in dict(variants):
             raise BadArgument(f"--variant {spec!r}: expected NAME=\"FLAGS\" with a new name made of letters, digits and _")
         variants.append((name, shlex.split(flags)))
     return variants
+
+
+def known_variants(text):
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))  # in order, once each
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise BadArgument(f"unknown variant {', '.join(unknown)}: choose from {', '.join(VARIANTS)}, "
+                          f"or give any flags with --variant NAME=\"FLAGS\"")
+    return names
 
 
 def choose_devices(args):
@@ -277,6 +301,16 @@ def finish(out_dir, rows, settings, env, runs_skipped, command):
     return frame
 
 
+def measure_allreduce(settings, out_dir):
+    """t_ar(n) for report.md's limit model, measured before the runs so that nothing else shares the devices."""
+    figures = allreduce.sweep_figures(settings, REPO, out_dir)
+    for n, figure in figures.items():
+        grad = figure.get("gradient_row")
+        print(f"all-reduce of the gradient at n={n}: " + (f"{grad['time_us'] / 1e3:.2f} ms ({figure['backend']})"
+                                                        if grad else f"not measured ({figure['error']})"), flush=True)
+    return figures
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -288,7 +322,7 @@ def main(argv=None):
         args = parse_args(argv)
         check_numbers(args)
         modes = parse_modes(args.modes)
-        variants = parse_variants(args.variant)
+        variants = parse_variants(args.variant, args.variants)
         devices, cpu_processes, gpu_names = choose_devices(args)
         settings = settings_from(args, devices, cpu_processes)
         out_dir = os.path.abspath(args.out or os.path.join(REPO, "results", envinfo.machine_tag(gpu_names, cpu_processes)))
@@ -307,6 +341,8 @@ def main(argv=None):
     env = dict(envinfo.collect(REPO, devices), hardware=envinfo.hardware_label(gpu_names, cpu_processes),
                harness_command=command, settings=settings.comparable(),
                extra_args={k: v for k, v in os.environ.items() if k.startswith(sweep.EXTRA_ARGS_ENV)})
+    env["loader"] = loader_speed.sweep_figure(settings, REPO, out_dir)  # report.md compares it with 01's figure
+    env["allreduce"] = measure_allreduce(settings, out_dir) if set(modes) - {"single"} else {}
     write_json(os.path.join(out_dir, "env.json"), env)
     signal.signal(signal.SIGTERM, _interrupt)  # a killed harness stops its runs too, as Ctrl-C does
     print(f"benchmarking on {env['hardware']} -> {out_dir}", flush=True)

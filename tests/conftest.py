@@ -1,8 +1,6 @@
 """Shared test fixtures: a small learnable MNIST in torchvision's raw layout, and running scripts as a user does."""
 import importlib.util
 import os
-import socket
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from fake_mnist import write_fake_mnist  # noqa: E402  (shared with bench/classic_vs_ours.py)
+from sweep import free_port  # noqa: E402,F401  (the harness's, for the tests' own jobs)
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ["01_single_gpu.py", "02_data_parallel.py", "03_ddp_launch.py", "04_ddp_spawn.py", "05_multinode_mnist.py"]
 TRAIN_IMAGES, TEST_IMAGES = 4096, 10000  # the test split has MNIST's real size: evaluation must count all 10,000
+QUICK_TEST_IMAGES = 1000  # for tests about other things: evaluating 10,000 images is most of a short run
 # Environment for runs that must not reach the network: any download attempt fails at once.
 NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
 
@@ -30,40 +33,20 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-def write_idx(path, array, magic):
-    with open(path, "wb") as f:
-        f.write(struct.pack(">I", magic) + b"".join(struct.pack(">I", d) for d in array.shape))
-        f.write(array.numpy().tobytes())
-
-
-def learnable_mnist(n, generator):
-    """Each class is a fixed random stroke pattern plus noise: learnable in a few dozen steps, not trivially."""
-    prototypes = (torch.rand(10, 28, 28, generator=torch.Generator().manual_seed(0)) > 0.8).float()
-    labels = torch.randint(0, 10, (n,), generator=generator)
-    images = 160 * prototypes[labels] + 95 * torch.rand(n, 28, 28, generator=generator)
-    return images.to(torch.uint8), labels.to(torch.uint8)
-
-
-def make_mnist(root):
-    raw = Path(root) / "MNIST" / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(1)
-    for split, n in (("train", TRAIN_IMAGES), ("t10k", TEST_IMAGES)):
-        images, labels = learnable_mnist(n, g)
-        write_idx(raw / f"{split}-images-idx3-ubyte", images, 2051)
-        write_idx(raw / f"{split}-labels-idx1-ubyte", labels, 2049)
-    return Path(root)
+def make_mnist(root, test_images=TEST_IMAGES):
+    return Path(write_fake_mnist(str(root), train=TRAIN_IMAGES, test=test_images))
 
 
 @pytest.fixture(scope="session")
 def mnist_dir(tmp_path_factory):
+    """MNIST's real test-set size, for the tests that count test images."""
     return make_mnist(tmp_path_factory.mktemp("mnist"))
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="session")
+def quick_mnist_dir(tmp_path_factory):
+    """The same training images with a tenth of the test images, for every other test."""
+    return make_mnist(tmp_path_factory.mktemp("mnist-quick"), test_images=QUICK_TEST_IMAGES)
 
 
 def script_command(script, *args, nprocs=None):

@@ -48,11 +48,11 @@ def assert_fails_clearly(result, expected):
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
-def test_bad_input_fails_with_one_clear_line(case, mnist_dir, tmp_path):
+def test_bad_input_fails_with_one_clear_line(case, quick_mnist_dir, tmp_path):
     script, args, expected, prepare = CASES[case]
     data_dir = tmp_path / "data"
     if prepare != "empty":
-        shutil.copytree(mnist_dir, data_dir)
+        shutil.copytree(quick_mnist_dir, data_dir)
         if prepare:
             prepare(tmp_path)
     (tmp_path / "results").mkdir()
@@ -70,17 +70,17 @@ def test_bad_input_fails_with_one_clear_line(case, mnist_dir, tmp_path):
     assert all(p.read_bytes() == content for p, content in before.items()), "a file that was there changed"
 
 
-def test_a_port_in_use_fails_with_one_clear_line(mnist_dir):
+def test_a_port_in_use_fails_with_one_clear_line(quick_mnist_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = run(script_command("04_ddp_spawn.py", "--data-dir", mnist_dir, "--master-port", port, "--nprocs", 2,
+        result = run(script_command("04_ddp_spawn.py", "--data-dir", quick_mnist_dir, "--master-port", port, "--nprocs", 2,
                                     "--timeout", 30), timeout=120, check=False)
     assert_fails_clearly(result, f":{port}")
 
 
-def test_a_peer_that_never_arrives_fails_within_the_timeout(mnist_dir):
-    result = run(script_command("05_multinode_mnist.py", "--data-dir", mnist_dir, "-n", 2, "--nr", 0,
+def test_a_peer_that_never_arrives_fails_within_the_timeout(quick_mnist_dir):
+    result = run(script_command("05_multinode_mnist.py", "--data-dir", quick_mnist_dir, "-n", 2, "--nr", 0,
                                 "--master-port", free_port(), "--timeout", 5), timeout=60, check=False)
     assert_fails_clearly(result, "could not join the process group")

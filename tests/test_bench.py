@@ -11,6 +11,8 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
+import report  # noqa: E402
+import run_all  # noqa: E402
 import sweep  # noqa: E402
 
 TINY = ["--synthetic", "--max-steps", "8", "--test-batch-size", "1000"]  # 8 > the scripts' 5 warm-up steps
@@ -77,6 +79,51 @@ def test_a_variant_repeats_the_sweep_with_its_flags_and_its_own_run_ids():
         assert argv[argv.index("--seed") + 1] == str(run.repeat)  # each repeat its own seed
 
 
+def test_variant_names_map_to_their_flags_and_add_to_the_named_flags_variants():
+    variants = run_all.parse_variants(['lr2=--lr 2'], "amp, compile,amp+compile,amp")
+    assert variants == [("base", []), ("amp", ["--amp"]), ("compile", ["--compile"]),
+                        ("amp+compile", ["--amp", "--compile"]), ("lr2", ["--lr", "2"])]
+    with pytest.raises(run_all.BadArgument, match="unknown variant fp8, bf8: choose from amp, compile"):
+        run_all.parse_variants([], "amp,fp8,bf8")
+    with pytest.raises(run_all.BadArgument, match="new name"):  # one name, one set of flags
+        run_all.parse_variants(["amp=--amp"], "amp")
+
+
+def hand_made_summary():
+    """01 trains 1,000 samples/s with B = 64 (t1 = 64 ms); amp doubles 01 and DDP at n = 2 gains 2/3."""
+    rows = [("base", "single", 1, 1000, 0.50), ("base", "dp", 1, 900, 0.50), ("base", "ddp_launch", 2, 1500, 0.50),
+            ("base", "ddp_spawn", 4, 2000, 0.50),
+            ("amp", "single", 1, 2000, 0.52), ("amp", "ddp_launch", 2, 2500, 0.49)]
+    return pd.DataFrame([dict(variant=v, mode=m, n=n, per_device_batch=64, samples_per_s=float(x), test_accuracy=a)
+                         for v, m, n, x, a in rows])
+
+
+def test_limit_model_sets_each_run_against_compute_and_all_reduce_time():
+    env = {"allreduce": {"2": {"gradient_row": {"time_us": 32000.0}}, "4": {"error": "exit code 1"}}}
+    assert report.allreduce_seconds(env) == {2: pytest.approx(0.032)}
+    limits = report.limit_model(hand_made_summary(), report.allreduce_seconds(env))
+    limits = limits.set_index(["variant", "mode", "n"])
+    assert set(limits.index) == {("base", "dp", 1), ("base", "ddp_launch", 2), ("base", "ddp_spawn", 4),
+                                 ("amp", "ddp_launch", 2)}  # 01 itself is the model's input
+    dp = limits.loc[("base", "dp", 1)]  # n = 1: no all-reduce, the limit is 01
+    assert dp["x_overlap"] == dp["x_serial"] == pytest.approx(1000) and dp["pct_of_limit"] == pytest.approx(0.9)
+    ddp = limits.loc[("base", "ddp_launch", 2)]  # t1 = 64 ms, t_ar = 32 ms
+    assert (ddp["t1_ms"], ddp["t_ar_ms"]) == (pytest.approx(64), pytest.approx(32))
+    assert ddp["x_serial"] == pytest.approx(2 * 64 / 0.096) and ddp["x_overlap"] == pytest.approx(2 * 64 / 0.064)
+    assert ddp["pct_of_limit"] == pytest.approx(1500 / 2000)
+    amp = limits.loc[("amp", "ddp_launch", 2)]  # the variant's own 01: t1 = 32 ms = t_ar
+    assert amp["x_overlap"] == pytest.approx(4000) and amp["x_serial"] == pytest.approx(2000)
+    assert pd.isna(limits.loc[("base", "ddp_spawn", 4), "x_overlap"])  # all-reduce failed: no limit, no guess
+
+
+def test_variant_table_gives_speed_ratio_and_accuracy_change_per_mode_and_n():
+    table = report.variant_table(hand_made_summary()).set_index(["variant", "mode", "n"])
+    assert list(table.index) == [("amp", "single", 1), ("amp", "ddp_launch", 2)]
+    assert table.loc[("amp", "single", 1), "ratio"] == pytest.approx(2.0)
+    assert table.loc[("amp", "ddp_launch", 2), "base_samples_per_s"] == 1500
+    assert table.loc[("amp", "ddp_launch", 2), "accuracy_diff"] == pytest.approx(-0.01)
+
+
 def test_time_to_target_counts_training_time_until_the_first_epoch_at_target():
     epochs = [dict(train_time_s=10, test_accuracy=0.95), dict(train_time_s=9, test_accuracy=0.981),
               dict(train_time_s=8, test_accuracy=0.99)]
@@ -94,6 +141,7 @@ def test_time_to_target_counts_training_time_until_the_first_epoch_at_target():
     (["--gpus", "0", "--cpu", "2"], "either --gpus or --cpu"),
     (["--per-gpu-batch", "x"], "invalid int value"),
     (["--variant", "nameless"], "--variant"),
+    (["--variants", "amp,fp8"], "unknown variant fp8"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(tmp_path, args, message):
     result = harness(*args, "--synthetic", "--out", tmp_path / "out", timeout=120)
@@ -181,6 +229,14 @@ def test_sweep_writes_plots_report_environment_and_one_log_per_run(full_sweep):
     env = json.loads((out / "env.json").read_text())
     for key in ("host", "cpu_model", "cpu_cores", "gpu_count", "torch", "cuda", "nccl", "harness_command"):
         assert key in env, key
+    # the all-reduce of the gradient at n = 2, measured before the runs, and every DDP run against its limit
+    allreduce = env["allreduce"]["2"]
+    assert allreduce["backend"] == "gloo" and allreduce["world_size"] == 2, allreduce
+    assert allreduce["gradient_row"]["bytes"] == 4_799_528 and allreduce["gradient_row"]["time_us"] > 0
+    limits = report.split("## Limit model", 1)[1].split("\n## ", 1)[0]
+    assert "% of the limit" in limits and "optimistic" in limits
+    for mode in ("ddp_launch", "ddp_spawn", "ddp_multinode"):
+        assert f"| {mode} | 2 |" in limits, mode
     runs = read_runs(out)
     assert all((out / path).stat().st_size > 0 for path in runs["log_path"])
     assert not [p for p in out.rglob("*") if ".tmp" in p.name], "a temporary file was left behind"

@@ -9,7 +9,7 @@ import sys
 
 from torch.utils.data import DistributedSampler
 
-from conftest import ROOT, SCRIPTS, TEST_IMAGES, free_port, run
+from conftest import QUICK_TEST_IMAGES, ROOT, SCRIPTS, TEST_IMAGES, free_port, run
 
 SHARED = ["Net", "fail", "load_mnist", "loader", "synchronize", "train_epoch", "evaluate", "peak_memory_bytes",
           "write_json_atomically"]
@@ -60,7 +60,7 @@ for pid in "${pids[@]}"; do wait "$pid" || exit 1; done
 """
 
 
-def test_slurm_batch_script_starts_the_multinode_job(mnist_dir, tmp_path):
+def test_slurm_batch_script_starts_the_multinode_job(quick_mnist_dir, tmp_path):
     srun = tmp_path / "bin" / "srun"
     srun.parent.mkdir()
     srun.write_text(FAKE_SRUN)
@@ -69,8 +69,8 @@ def test_slurm_batch_script_starts_the_multinode_job(mnist_dir, tmp_path):
            "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost", "SLURM_GPUS_ON_NODE": "1",
            "MASTER_PORT": str(free_port())}
     metrics = tmp_path / "metrics.json"
-    args = ["--data-dir", mnist_dir, "--max-steps", 2, "--log-interval", 0, "--cpu", "--metrics-json", metrics]
+    args = ["--data-dir", quick_mnist_dir, "--max-steps", 2, "--log-interval", 0, "--cpu", "--metrics-json", metrics]
     run(["bash", "slurm/multinode.sbatch", *map(str, args)], env=env)
     record = json.loads(metrics.read_text())
     assert (record["mode"], record["nodes"], record["world_size"]) == ("ddp_multinode", 2, 2)
-    assert record["epochs_detail"][0]["test_samples"] == TEST_IMAGES
+    assert record["epochs_detail"][0]["test_samples"] == QUICK_TEST_IMAGES

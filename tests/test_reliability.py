@@ -35,8 +35,8 @@ def wait_for(condition, timeout, interval=0.005):
         time.sleep(interval)
 
 
-def torchrun_03(out, mnist_dir, *launcher_args):
-    args = ["--data-dir", mnist_dir, "--snapshot", out / "snapshot.pt", "--save-model", out / "model.pt",
+def torchrun_03(out, quick_mnist_dir, *launcher_args):
+    args = ["--data-dir", quick_mnist_dir, "--snapshot", out / "snapshot.pt", "--save-model", out / "model.pt",
             "--metrics-json", out / "metrics.json", *TRAIN]
     out.mkdir()
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -44,15 +44,15 @@ def torchrun_03(out, mnist_dir, *launcher_args):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(mnist_dir, tmp_path_factory):
+def uninterrupted(quick_mnist_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
-    run(torchrun_03(out, mnist_dir))
+    run(torchrun_03(out, quick_mnist_dir))
     return json.loads((out / "metrics.json").read_text()), torch.load(out / "model.pt")
 
 
-def test_a_killed_worker_is_restarted_and_training_resumes_exactly(uninterrupted, mnist_dir, tmp_path):
+def test_a_killed_worker_is_restarted_and_training_resumes_exactly(uninterrupted, quick_mnist_dir, tmp_path):
     out = tmp_path / "killed"
-    job = start(torchrun_03(out, mnist_dir, "--max-restarts", "3"))
+    job = start(torchrun_03(out, quick_mnist_dir, "--max-restarts", "3"))
     try:
         wait_for(lambda: (out / "snapshot.pt").exists(), timeout=120)  # the first snapshot: mid-epoch 1
         os.kill(max(children(job.pid)), signal.SIGKILL)
@@ -68,9 +68,9 @@ def test_a_killed_worker_is_restarted_and_training_resumes_exactly(uninterrupted
                                                              reference_record["test_loss"])
 
 
-def test_a_kill_during_a_save_leaves_the_last_snapshot_loadable(mnist_dir, tmp_path):
+def test_a_kill_during_a_save_leaves_the_last_snapshot_loadable(quick_mnist_dir, tmp_path):
     snapshot = tmp_path / "snapshot.pt"
-    job = start(script_command("03_ddp_launch.py", "--data-dir", mnist_dir, "--snapshot", snapshot,
+    job = start(script_command("03_ddp_launch.py", "--data-dir", quick_mnist_dir, "--snapshot", snapshot,
                                "--snapshot-every", 1, "--log-interval", 0))
     try:
         wait_for(snapshot.exists, timeout=120)
@@ -83,8 +83,8 @@ def test_a_kill_during_a_save_leaves_the_last_snapshot_loadable(mnist_dir, tmp_p
     assert state["epoch"] == 1 and state["step"] >= 1 and "model" in state
 
 
-def test_a_killed_rank_ends_the_job_quickly_and_says_why(mnist_dir):
-    job = start(script_command("04_ddp_spawn.py", "--data-dir", mnist_dir, "--nprocs", 2, "--epochs", 5,
+def test_a_killed_rank_ends_the_job_quickly_and_says_why(quick_mnist_dir):
+    job = start(script_command("04_ddp_spawn.py", "--data-dir", quick_mnist_dir, "--nprocs", 2, "--epochs", 5,
                                "--log-interval", 1, "--timeout", 30))
     try:
         wait_for(lambda: job.stdout.readline().startswith("epoch 1 step 2/"), timeout=120)
@@ -97,8 +97,8 @@ def test_a_killed_rank_ends_the_job_quickly_and_says_why(mnist_dir):
     assert "Traceback" not in stderr and "killed by SIGKILL" in stderr, stderr
 
 
-def test_three_jobs_at_once_on_one_host_do_not_collide(mnist_dir, tmp_path):
-    jobs = [start(script_command("04_ddp_spawn.py", "--data-dir", mnist_dir, "--nprocs", 2, "--max-steps", 2,
+def test_three_jobs_at_once_on_one_host_do_not_collide(quick_mnist_dir, tmp_path):
+    jobs = [start(script_command("04_ddp_spawn.py", "--data-dir", quick_mnist_dir, "--nprocs", 2, "--max-steps", 2,
                                  "--threads", 1, "--log-interval", 0, "--metrics-json", tmp_path / f"{i}.json"))
             for i in range(3)]
     try:
@@ -138,8 +138,8 @@ def two_hosts():
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
 
 
-def test_multinode_runs_between_two_hosts_like_on_loopback(two_hosts, mnist_dir, tmp_path):
-    args = ["--data-dir", mnist_dir, "--max-steps", 4, "--log-interval", 0, "--no-dropout", "--threads", 1]
+def test_multinode_runs_between_two_hosts_like_on_loopback(two_hosts, quick_mnist_dir, tmp_path):
+    args = ["--data-dir", quick_mnist_dir, "--max-steps", 4, "--log-interval", 0, "--no-dropout", "--threads", 1]
     port = free_port()
 
     def node(i, *extra):  # node i in its own namespace, gloo bound to that namespace's interface

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import (NO_NETWORK, ROOT, SCRIPTS, TEST_IMAGES, free_port, import_script, run, run_two_nodes,
+from conftest import (NO_NETWORK, QUICK_TEST_IMAGES, ROOT, SCRIPTS, TEST_IMAGES, free_port, import_script, run, run_two_nodes,
                       script_command)
 
 # Every key of the metrics record in DESIGN.md.
@@ -39,11 +39,11 @@ def run_mode(script, data_dir, out, *extra, timeout=180):
 
 
 @pytest.fixture(scope="module")
-def same_batch_runs(mnist_dir, tmp_path_factory):
+def same_batch_runs(quick_mnist_dir, tmp_path_factory):
     """Every mode at global batch 2B for two short epochs, dropout off so that the updates can be compared."""
     tmp = tmp_path_factory.mktemp("same-batch")
     extra = ["--epochs", 2, "--max-steps", 3, "--no-dropout"]
-    return {script: run_mode(script, mnist_dir, tmp / script, *extra) for script in SCRIPTS}
+    return {script: run_mode(script, quick_mnist_dir, tmp / script, *extra) for script in SCRIPTS}
 
 
 def test_same_global_batch_gives_the_same_update(same_batch_runs):
@@ -61,7 +61,7 @@ def test_metrics_record_is_complete_and_consistent(same_batch_runs):
         assert record["per_device_batch"] * record["world_size"] == record["global_batch"]
         assert record["train_samples"] == record["steps"] * record["global_batch"]
         assert [e["epoch"] for e in record["epochs_detail"]] == [1, 2]
-        assert all(EPOCH_KEYS <= e.keys() and e["test_samples"] == TEST_IMAGES for e in record["epochs_detail"])
+        assert all(EPOCH_KEYS <= e.keys() and e["test_samples"] == QUICK_TEST_IMAGES for e in record["epochs_detail"])
         # Warm-up steps (5, capped so one step is timed) are left out of the throughput of epoch 1 only.
         warmup_samples = 2 * record["global_batch"]
         assert record["steady_samples"] == record["train_samples"] - warmup_samples
@@ -116,22 +116,27 @@ def test_evaluation_counts_every_test_image_once(nprocs, mnist_dir, tmp_path):
     assert record["test_loss"] == pytest.approx(loss, rel=1e-6)
 
 
-def test_training_learns(mnist_dir, tmp_path):
-    run(script_command("01_single_gpu.py", *train_args(mnist_dir, tmp_path, "--max-steps", 40)))
-    record = json.loads((tmp_path / "metrics.json").read_text())
-    assert record["test_accuracy"] > 0.6, "chance is 0.1"
-    assert record["epochs_detail"][0]["train_loss"] < 2.0
+def test_training_learns_in_float32_and_in_bfloat16_alike(quick_mnist_dir, tmp_path):
+    records = {}
+    for variant in ([], ["--amp"]):
+        out = tmp_path / ("amp" if variant else "fp32")
+        out.mkdir()
+        run(script_command("01_single_gpu.py", *train_args(quick_mnist_dir, out, "--max-steps", 40, *variant)))
+        records[bool(variant)] = json.loads((out / "metrics.json").read_text())
+    assert records[False]["amp"] is False and records[True]["amp"] is True
+    assert records[False]["test_accuracy"] > 0.6, "chance is 0.1"
+    assert abs(records[True]["test_accuracy"] - records[False]["test_accuracy"]) <= 0.005
 
 
-def test_legacy_launcher_passes_local_rank_and_still_works(mnist_dir, tmp_path):
+def test_legacy_launcher_passes_local_rank_and_still_works(quick_mnist_dir, tmp_path):
     command = [*script_command("03_ddp_launch.py")[:1], "-m", "torch.distributed.launch", "--nproc_per_node", "2",
-               str(ROOT / "03_ddp_launch.py"), *map(str, train_args(mnist_dir, tmp_path, "--max-steps", 2))]
+               str(ROOT / "03_ddp_launch.py"), *map(str, train_args(quick_mnist_dir, tmp_path, "--max-steps", 2))]
     run(command)
     record = json.loads((tmp_path / "metrics.json").read_text())
     assert record["world_size"] == 2 and any(a.startswith("--local-rank") for a in record["argv"])
 
 
-def test_each_epoch_has_its_own_shuffle_and_the_group_is_destroyed(mnist_dir, monkeypatch):
+def test_each_epoch_has_its_own_shuffle_and_the_group_is_destroyed(quick_mnist_dir, monkeypatch):
     """In-process, as a world of one: record the training batches of two epochs."""
     module = import_script("03_ddp_launch.py")
     seen = []
@@ -148,7 +153,7 @@ def test_each_epoch_has_its_own_shuffle_and_the_group_is_destroyed(mnist_dir, mo
     try:
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(key, None)
-        module.main(["--data-dir", str(mnist_dir), "--epochs", "2", "--max-steps", "2", "--log-interval", "0"])
+        module.main(["--data-dir", str(quick_mnist_dir), "--epochs", "2", "--max-steps", "2", "--log-interval", "0"])
     finally:
         os.environ.clear()
         os.environ.update(saved)

@@ -1,0 +1,35 @@
+"""A learnable stand-in for MNIST in torchvision's raw file layout, for machines that cannot download it.
+
+It has MNIST's shape and file format, so the scripts' real loading code runs; it is no benchmark of
+accuracy (one epoch on it reaches 100%). Used by tests/conftest.py and bench/classic_vs_ours.py.
+"""
+import os
+import struct
+
+import torch
+
+
+def write_idx(path, array, magic):
+    with open(path, "wb") as f:
+        f.write(struct.pack(">I", magic) + b"".join(struct.pack(">I", d) for d in array.shape))
+        f.write(array.numpy().tobytes())
+
+
+def learnable_images(n, generator):
+    """Each class is a fixed random stroke pattern plus noise: learnable in a few dozen steps, not trivially."""
+    prototypes = (torch.rand(10, 28, 28, generator=torch.Generator().manual_seed(0)) > 0.8).float()
+    labels = torch.randint(0, 10, (n,), generator=generator)
+    images = 160 * prototypes[labels] + 95 * torch.rand(n, 28, 28, generator=generator)
+    return images.to(torch.uint8), labels.to(torch.uint8)
+
+
+def write_fake_mnist(root, train=60000, test=10000):
+    """MNIST/raw/ under root: train and test images with their labels. Returns root."""
+    raw = os.path.join(root, "MNIST", "raw")
+    os.makedirs(raw, exist_ok=True)
+    g = torch.Generator().manual_seed(1)
+    for split, n in (("train", train), ("t10k", test)):
+        images, labels = learnable_images(n, g)
+        write_idx(os.path.join(raw, f"{split}-images-idx3-ubyte"), images, 2051)
+        write_idx(os.path.join(raw, f"{split}-labels-idx1-ubyte"), labels, 2049)
+    return root
