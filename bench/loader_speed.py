@@ -104,7 +104,7 @@ def measure(args):
     a = script_args(m01, args)
     ctx = m01.setup(a)  # device and thread count chosen by 01's own rule
     device, t_load = ctx["device"], time.perf_counter()
-    train_set = m01.load_mnist(a, train=True)
+    train_set = m01.to_device(m01.load_mnist(a, train=True), device)
     load_s = time.perf_counter() - t_load
     warmup = min(m01.WARMUP_STEPS, len(train_set) // a.batch_size - 1)  # the same warm-up as 01's training
     speeds = [loader_pass(m01, train_loader(m01, a, train_set, device, epoch), device, warmup)

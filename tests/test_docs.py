@@ -11,7 +11,8 @@ from torch.utils.data import DistributedSampler
 
 from conftest import QUICK_TEST_IMAGES, ROOT, SCRIPTS, TEST_IMAGES, free_port, run
 
-SHARED = ["Net", "fail", "load_mnist", "loader", "synchronize", "train_epoch", "evaluate", "peak_memory_bytes",
+# The model, the data pipeline and the evaluation (the DDP scripts' train_epoch also resumes from snapshots).
+SHARED = ["Net", "fail", "load_mnist", "to_device", "loader", "synchronize", "evaluate", "peak_memory_bytes",
           "write_json_atomically"]
 
 
