@@ -261,6 +261,9 @@ def resume(path, ctx, net, optimizer, scheduler):
         scheduler.load_state_dict(state["scheduler"])
     except Exception as e:
         fail(f"snapshot {path} could not be loaded ({str(e).splitlines()[0]}); move it away to start afresh")
+    if len(state["rngs"]) != ctx["world_size"]:
+        fail(f"snapshot {path} is from a job of {len(state['rngs'])} processes, this one has {ctx['world_size']}; "
+             "move it away to start afresh")
     torch.set_rng_state(state["rngs"][ctx["rank"]][0].cpu())
     if ctx["device"].type == "cuda":
         torch.cuda.set_rng_state(state["rngs"][ctx["rank"]][1].cpu(), ctx["device"])

@@ -18,7 +18,6 @@ bench/run_all.py runs it once per n >= 2 of a sweep, at the gradient size only (
 the limit model in report.md.
 """
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,7 +27,7 @@ from datetime import timedelta
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling modules, from any working directory
 
 import envinfo  # noqa: E402
-from files import write_json  # noqa: E402
+from files import read_json, write_json  # noqa: E402
 from loader_speed import REPO, check_json_path, load_script  # noqa: E402
 import sweep  # noqa: E402
 
@@ -179,11 +178,7 @@ def sweep_figure(settings, repo, out_dir, n):
     if timed_out or code != 0:
         why = f"killed after {SWEEP_TIMEOUT_S} s" if timed_out else f"exit code {code}"
         return {"error": f"{why}: {sweep.log_tail([log], lines=1)} (log {os.path.relpath(log, out_dir)})"}
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        return {"error": f"no result: {e}"}
+    return read_json(path) or {"error": f"no result in {path}"}
 
 
 def main(argv=None):

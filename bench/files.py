@@ -7,6 +7,15 @@ def _tmp(path):
     return f"{path}.tmp{os.getpid()}"
 
 
+def read_json(path, default=None):
+    """The JSON at path, or default when it is missing or unreadable."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return default
+
+
 def write_text(path, text):
     tmp = _tmp(path)
     with open(tmp, "w") as f:

@@ -17,7 +17,6 @@ own 01 figure in report.md (sweep_figure below).
 """
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 import subprocess
@@ -26,7 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling modules, from any working directory
 
-from files import write_json  # noqa: E402
+from files import read_json, write_json  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED_RATIO = 50  # loader samples/s over training samples/s
@@ -146,9 +145,8 @@ def sweep_figure(settings, repo, out_dir):
         out = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S)
         if out.returncode != 0:
             return {"error": (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]}
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        return read_json(path) or {"error": f"no result in {path}"}
+    except (OSError, subprocess.SubprocessError) as e:
         return {"error": f"{type(e).__name__}: {e}"}
 
 

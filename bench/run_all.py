@@ -21,7 +21,7 @@ the same sweep runs on the CPU with n = 1..N processes and the gloo backend.
 Without --synthetic the runs train on real MNIST from --data-dir, which is downloaded once before the
 sweep when missing; if it cannot be, the harness stops with one line (it never falls back to random data).
 Defaults: on GPUs 3 full epochs; on the CPU 1 epoch of at most 150 steps per run (the whole default CPU
-sweep, 7 runs, took 5.5 minutes on a busy 2-core VM).
+sweep, 7 runs, took 2 min 34 s on a quiet 2-core VM).
 
 Writes under --out (default results/<machine tag>): runs.csv (one row per run, failed ones too), summary.csv
 (medians per mode and n, speed-up and scaling efficiency E(n) = X(n) / (n X(01))), env.json (with the input
@@ -54,7 +54,7 @@ import allreduce  # noqa: E402
 import envinfo  # noqa: E402
 import loader_speed  # noqa: E402
 import sweep  # noqa: E402
-from files import write_csv, write_json  # noqa: E402
+from files import read_json, write_csv, write_json  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
@@ -223,14 +223,11 @@ def settings_from(args, devices, cpu_processes):
 
 def load_done(out_dir, settings, resume):
     """The ok rows of an earlier attempt at the same sweep, keyed by (variant, mode, n, repeat)."""
-    import json
     import pandas as pd
     if not resume or not os.path.exists(os.path.join(out_dir, "runs.csv")):
         return {}
-    try:
-        with open(os.path.join(out_dir, "env.json")) as f:
-            earlier = json.load(f)["settings"]
-    except (OSError, ValueError, KeyError):
+    earlier = read_json(os.path.join(out_dir, "env.json"), {}).get("settings")
+    if earlier is None:
         raise BadArgument(f"cannot --resume: {out_dir}/env.json is missing or unreadable")
     if earlier != settings.comparable():
         diff = sorted(k for k in earlier if earlier.get(k) != settings.comparable().get(k))
@@ -341,8 +338,11 @@ def main(argv=None):
     env = dict(envinfo.collect(REPO, devices), hardware=envinfo.hardware_label(gpu_names, cpu_processes),
                harness_command=command, settings=settings.comparable(),
                extra_args={k: v for k, v in os.environ.items() if k.startswith(sweep.EXTRA_ARGS_ENV)})
-    env["loader"] = loader_speed.sweep_figure(settings, REPO, out_dir)  # report.md compares it with 01's figure
-    env["allreduce"] = measure_allreduce(settings, out_dir) if set(modes) - {"single"} else {}
+    # A resumed sweep keeps the figures measured when it started: the same machine, and seconds saved.
+    earlier = read_json(os.path.join(out_dir, "env.json"), {}) if args.resume else {}
+    env["loader"] = earlier.get("loader") or loader_speed.sweep_figure(settings, REPO, out_dir)  # vs 01, in report.md
+    env["allreduce"] = earlier.get("allreduce") or (
+        measure_allreduce(settings, out_dir) if set(modes) - {"single"} else {})
     write_json(os.path.join(out_dir, "env.json"), env)
     signal.signal(signal.SIGTERM, _interrupt)  # a killed harness stops its runs too, as Ctrl-C does
     print(f"benchmarking on {env['hardware']} -> {out_dir}", flush=True)

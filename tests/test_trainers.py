@@ -1,15 +1,16 @@
 """The five trainers, run as a user runs them: they learn, agree with each other, and count every test image once."""
 import json
 import os
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import (NO_NETWORK, QUICK_TEST_IMAGES, ROOT, SCRIPTS, TEST_IMAGES, free_port, import_script, run, run_two_nodes,
+from conftest import (NO_NETWORK, QUICK_TEST_IMAGES, ROOT, SCRIPTS, TEST_IMAGES, import_script, run, run_two_nodes,
                       script_command)
 
-# Every key of the metrics record in DESIGN.md.
+# Every key of the metrics record in the design contract (shared/DESIGN.md; the README lists them too).
 RECORD_KEYS = {"schema", "script", "mode", "device_type", "device_names", "world_size", "nodes", "backend",
                "per_device_batch", "global_batch", "lr", "epochs", "steps", "train_samples", "samples_per_s",
                "epochs_detail", "test_accuracy", "test_loss", "peak_memory_bytes", "synthetic", "torch_version", "argv"}
@@ -102,14 +103,24 @@ def evaluate_on_one_process(mnist_dir, weights):
     return correct / count, loss / count, int(count)
 
 
-@pytest.mark.parametrize("nprocs", [1, 2, 3])  # 3 does not divide 10,000: padding would count duplicates
-def test_evaluation_counts_every_test_image_once(nprocs, mnist_dir, tmp_path):
-    args = train_args(mnist_dir, tmp_path, "--max-steps", 3, "--batch-size", B)
-    result = run(script_command("03_ddp_launch.py", *args, nprocs=nprocs if nprocs > 1 else None))
-    if nprocs == 1:  # plain python: a world of one, and it says so
-        assert "not started by torchrun" in result.stderr
+LAUNCHES = {  # world size: how 03 is started
+    1: lambda args: script_command("03_ddp_launch.py", *args),  # plain python: a world of one, and it says so
+    # The legacy launcher passes --local-rank, which the script accepts (it reads LOCAL_RANK).
+    2: lambda args: [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2",
+                     str(ROOT / "03_ddp_launch.py"), *map(str, args)],
+    3: lambda args: script_command("03_ddp_launch.py", *args, nprocs=3),  # 3 does not divide 10,000
+}
+
+
+@pytest.mark.parametrize("world_size", LAUNCHES, ids=["python", "legacy-launcher-2", "torchrun-3"])
+def test_evaluation_counts_every_test_image_once(world_size, mnist_dir, tmp_path):
+    result = run(LAUNCHES[world_size](train_args(mnist_dir, tmp_path, "--max-steps", 3, "--batch-size", B)))
     record = json.loads((tmp_path / "metrics.json").read_text())
-    assert record["world_size"] == nprocs
+    assert record["world_size"] == world_size
+    if world_size == 1:
+        assert "not started by torchrun" in result.stderr
+    if world_size == 2:
+        assert any(a.startswith("--local-rank") for a in record["argv"])
     accuracy, loss, count = evaluate_on_one_process(mnist_dir, torch.load(tmp_path / "model.pt"))
     assert record["epochs_detail"][0]["test_samples"] == count == TEST_IMAGES
     assert record["test_accuracy"] == accuracy
@@ -126,14 +137,6 @@ def test_training_learns_in_float32_and_in_bfloat16_alike(quick_mnist_dir, tmp_p
     assert records[False]["amp"] is False and records[True]["amp"] is True
     assert records[False]["test_accuracy"] > 0.6, "chance is 0.1"
     assert abs(records[True]["test_accuracy"] - records[False]["test_accuracy"]) <= 0.005
-
-
-def test_legacy_launcher_passes_local_rank_and_still_works(quick_mnist_dir, tmp_path):
-    command = [*script_command("03_ddp_launch.py")[:1], "-m", "torch.distributed.launch", "--nproc_per_node", "2",
-               str(ROOT / "03_ddp_launch.py"), *map(str, train_args(quick_mnist_dir, tmp_path, "--max-steps", 2))]
-    run(command)
-    record = json.loads((tmp_path / "metrics.json").read_text())
-    assert record["world_size"] == 2 and any(a.startswith("--local-rank") for a in record["argv"])
 
 
 def test_each_epoch_has_its_own_shuffle_and_the_group_is_destroyed(quick_mnist_dir, monkeypatch):

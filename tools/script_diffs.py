@@ -24,7 +24,7 @@ def diff_block(root, a, b):
     """The unified diff of two scripts as a Markdown block, with its size in changed lines."""
     lines = list(difflib.unified_diff(read_lines(root, a), read_lines(root, b), a, b, n=1, lineterm=""))
     changed = sum(1 for line in lines[2:] if line[:1] in "+-")
-    return f"{changed} changed lines (`diff -u {a} {b}`):\n\n```diff\n" + "\n".join(lines) + "\n```\n"
+    return f"{changed} changed lines (`diff -U1 {a} {b}`):\n\n```diff\n" + "\n".join(lines) + "\n```\n"
 
 
 def html_name(a, b):
