@@ -33,12 +33,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling modules, from any working directory
 
 import envinfo  # noqa: E402
-from fake_mnist import write_fake_mnist  # noqa: E402
+from fake_mnist import MNIST_FILES, missing_mnist_files, write_fake_mnist  # noqa: E402
 from files import write_json  # noqa: E402
 from loader_speed import REPO, check_json_path, load_script  # noqa: E402
 
 REQUIRED_RATIO = 0.8  # ours / classic, wall time
-MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
 RUN_TIMEOUT_S = 1800
 
 
@@ -112,7 +111,7 @@ def commands(args):
 
 def check_data(data_dir):
     raw = os.path.join(data_dir, "MNIST", "raw")
-    missing = [f for f in MNIST_FILES if not os.path.exists(os.path.join(raw, f))]
+    missing = missing_mnist_files(data_dir)
     if missing:
         sys.exit(f"error: {', '.join(missing)} not in {raw}: put MNIST there or use --make-fake DIR")
     for f in MNIST_FILES:  # read once, untimed, so that the first timed run does not pay for a cold disk cache

@@ -54,10 +54,10 @@ import allreduce  # noqa: E402
 import envinfo  # noqa: E402
 import loader_speed  # noqa: E402
 import sweep  # noqa: E402
+from fake_mnist import missing_mnist_files  # noqa: E402
 from files import read_json, write_csv, write_json  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
 ALIASES = {"01": "single", "02": "dp", "03": "ddp_launch", "04": "ddp_spawn", "05": "ddp_multinode"}
 DEFAULT_CPU_PROCESSES = 2
 DEFAULTS = dict(gpu=dict(epochs=3, max_steps=0), cpu=dict(epochs=1, max_steps=150))
@@ -192,7 +192,7 @@ def prepare_data(settings, download):
     if settings.synthetic:
         return
     raw = os.path.join(settings.data_dir, "MNIST", "raw")
-    if all(os.path.exists(os.path.join(raw, f)) for f in MNIST_FILES):
+    if not missing_mnist_files(settings.data_dir):
         return
     if not download:
         raise BadArgument(f"MNIST is not in {raw} (--no-download): put the four idx files there or pass --synthetic")

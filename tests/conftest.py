@@ -1,5 +1,4 @@
 """Shared test fixtures: a small learnable MNIST in torchvision's raw layout, and running scripts as a user does."""
-import importlib.util
 import os
 import subprocess
 import sys
@@ -10,6 +9,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from fake_mnist import write_fake_mnist  # noqa: E402  (shared with bench/classic_vs_ours.py)
+from loader_speed import load_script  # noqa: E402,F401  (a numbered script as a module, to call its functions)
 from sweep import free_port  # noqa: E402,F401  (the harness's, for the tests' own jobs)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,11 +84,3 @@ def run_two_nodes(*args, gpus=1, timeout=180, env=None):
     finally:
         node1.kill()
     return node0
-
-
-def import_script(name):
-    """Load a numbered script as a module (their names start with digits), to call its functions."""
-    spec = importlib.util.spec_from_file_location(name.removesuffix(".py").replace("-", "_"), ROOT / name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

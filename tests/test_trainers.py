@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import (NO_NETWORK, QUICK_TEST_IMAGES, ROOT, SCRIPTS, TEST_IMAGES, import_script, run, run_two_nodes,
+from conftest import (NO_NETWORK, QUICK_TEST_IMAGES, ROOT, SCRIPTS, TEST_IMAGES, load_script, run, run_two_nodes,
                       script_command)
 
 # Every key of the metrics record in the design contract (shared/DESIGN.md; the README lists them too).
@@ -93,7 +93,7 @@ def test_only_rank_zero_prints_epoch_lines(same_batch_runs):
 
 def evaluate_on_one_process(mnist_dir, weights):
     """What a single process makes of the same weights: the reference for the distributed evaluation."""
-    single = import_script("01_single_gpu.py")
+    single = load_script("01_single_gpu.py")
     args = single.parse_args(["--data-dir", str(mnist_dir)])
     test_set = single.load_mnist(args, train=False)
     net = single.Net()
@@ -141,7 +141,7 @@ def test_training_learns_in_float32_and_in_bfloat16_alike(quick_mnist_dir, tmp_p
 
 def test_each_epoch_has_its_own_shuffle_and_the_group_is_destroyed(quick_mnist_dir, monkeypatch):
     """In-process, as a world of one: record the training batches of two epochs."""
-    module = import_script("03_ddp_launch.py")
+    module = load_script("03_ddp_launch.py")
     seen = []
 
     class RecordingBatchSampler(module.BatchSampler):
