@@ -22,7 +22,7 @@ from torchvision import datasets
 MODE = "single"
 WARMUP_STEPS = 5  # left out of samples_per_s: first steps pay for allocation and kernel selection
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
-POSITIVE = ["epochs", "batch_size", "test_batch_size", "lr"]  # checked before any work starts
+POSITIVE = ["epochs", "batch_size", "test_batch_size", "lr"]  # flags checked first
 NOT_NEGATIVE = ["max_steps", "log_interval", "threads"]
 
 
