@@ -1,15 +1,12 @@
 """What the README teaches is kept true: its diffs are current, the scripts share their common parts word for
-word, the pitfalls it describes are real, and the SLURM batch script starts a working multi-node job."""
+word, and the pitfalls it describes are real. (The SLURM batch script is run by a real scheduler: test_slurm.py.)"""
 import ast
-import json
-import os
-import stat
 import subprocess
 import sys
 
 from torch.utils.data import DistributedSampler
 
-from conftest import QUICK_TEST_IMAGES, ROOT, SCRIPTS, TEST_IMAGES, free_port, run
+from conftest import ROOT, SCRIPTS, TEST_IMAGES
 
 # The model, the data pipeline and the evaluation (the DDP scripts' train_epoch also resumes from snapshots).
 SHARED = ["Net", "fail", "load_mnist", "to_device", "loader", "synchronize", "evaluate", "peak_memory_bytes",
@@ -51,27 +48,3 @@ def test_pitfall_distributed_sampler_pads_the_test_set():
     """Why the scripts shard the test set themselves: DistributedSampler repeats images to even out the shards."""
     counted = sum(len(DistributedSampler(range(TEST_IMAGES), num_replicas=3, rank=r, shuffle=False)) for r in range(3))
     assert counted == TEST_IMAGES + 2
-
-
-FAKE_SRUN = """#!/bin/bash
-# srun on one host: start the command once per task, as SLURM would on each node.
-pids=()
-for ((i = 0; i < SLURM_NTASKS; i++)); do SLURM_PROCID=$i "$@" & pids+=($!); done
-for pid in "${pids[@]}"; do wait "$pid" || exit 1; done
-"""
-
-
-def test_slurm_batch_script_starts_the_multinode_job(quick_mnist_dir, tmp_path):
-    srun = tmp_path / "bin" / "srun"
-    srun.parent.mkdir()
-    srun.write_text(FAKE_SRUN)
-    srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
-    env = {"PATH": f"{srun.parent}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "SLURM_NTASKS": "2",
-           "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost", "SLURM_GPUS_ON_NODE": "1",
-           "MASTER_PORT": str(free_port())}
-    metrics = tmp_path / "metrics.json"
-    args = ["--data-dir", quick_mnist_dir, "--max-steps", 2, "--log-interval", 0, "--cpu", "--metrics-json", metrics]
-    run(["bash", "slurm/multinode.sbatch", *map(str, args)], env=env)
-    record = json.loads(metrics.read_text())
-    assert (record["mode"], record["nodes"], record["world_size"]) == ("ddp_multinode", 2, 2)
-    assert record["epochs_detail"][0]["test_samples"] == QUICK_TEST_IMAGES
