@@ -23,6 +23,7 @@ NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA (skipped where there is none)")
     config.addinivalue_line("markers", "slow: takes more than half a minute")
+    config.addinivalue_line("markers", "slurm: needs root, SLURM and munge (skipped where they are missing)")
 
 
 def pytest_collection_modifyitems(config, items):
