@@ -88,7 +88,7 @@ def check_args(args):
             fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
     if not 0 <= args.seed < 2**32:
         fail(f"--seed must be in 0..2**32-1, got {args.seed}")
-    for path in (args.metrics_json, args.save_model):  # each is written beside, then renamed
+    for path in (args.metrics_json, args.save_model):  # written beside, then renamed
         folder = os.path.dirname(os.path.abspath(path or "."))
         if path and (os.path.isdir(path) or not os.access(folder, os.W_OK)):
             fail(f"cannot write {path}: its folder does not exist or is not writable")

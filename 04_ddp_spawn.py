@@ -97,7 +97,7 @@ def check_args(args):
         fail(f"--seed must be in 0..2**32-1, got {args.seed}")
     if not 0 < args.master_port <= 65535:
         fail(f"--master-port {args.master_port} is not a port number (1..65535)")
-    for path in (args.metrics_json, args.save_model):  # each is written beside, then renamed
+    for path in (args.metrics_json, args.save_model):  # written beside, then renamed
         folder = os.path.dirname(os.path.abspath(path or "."))
         if path and (os.path.isdir(path) or not os.access(folder, os.W_OK)):
             fail(f"cannot write {path}: its folder does not exist or is not writable")
