@@ -13,7 +13,9 @@ from loader_speed import load_script  # noqa: E402,F401  (a numbered script as a
 from sweep import free_port  # noqa: E402,F401  (the harness's, for the tests' own jobs)
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ["01_single_gpu.py", "02_data_parallel.py", "03_ddp_launch.py", "04_ddp_spawn.py", "05_multinode_mnist.py"]
+SCRIPTS = ["01_single_gpu.py", "02_data_parallel.py", "03_ddp_launch.py", "04_ddp_spawn.py", "05_multinode_mnist.py",
+           "06_fault_tolerant.py"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TRAIN_IMAGES, TEST_IMAGES = 4096, 10000  # the test split has MNIST's real size: evaluation must count all 10,000
 QUICK_TEST_IMAGES = 1000  # for tests about other things: evaluating 10,000 images is most of a short run
 # Environment for runs that must not reach the network: any download attempt fails at once.
@@ -50,18 +52,22 @@ def quick_mnist_dir(tmp_path_factory):
     return make_mnist(tmp_path_factory.mktemp("mnist-quick"), test_images=QUICK_TEST_IMAGES)
 
 
-def script_command(script, *args, nprocs=None):
-    """The command a user types: torchrun for 03, python for the others."""
-    if script.startswith("03") and nprocs:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}"]
+def script_command(script, *args, nprocs=None, launcher=()):
+    """The command a user types: torchrun for 03 and 06 (nprocs processes), python for the others."""
+    if script.startswith(("03", "06")):
+        launcher = [*TORCHRUN, "--standalone", f"--nproc_per_node={nprocs or 1}", *map(str, launcher)]
         return launcher + [str(ROOT / script), *map(str, args)]
     return [sys.executable, str(ROOT / script), *map(str, args)]
 
 
-def run(command, timeout=180, env=None, check=True):
+# Tests see the CPU only, so that `pytest` checks the same behaviour on a GPU machine (tests marked gpu excepted).
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def run(command, timeout=180, env=None, check=True, **popen):
     """Run a command from the repository root; a hang fails the test instead of CI."""
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **CPU_ONLY, **(env or {})}, **popen)
     if check:
         assert result.returncode == 0, f"{command} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
         assert "Traceback" not in result.stderr, result.stderr
@@ -71,7 +77,7 @@ def run(command, timeout=180, env=None, check=True):
 def start(command, env=None):
     """Start a command in the background (one "node" of a multi-node job)."""
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **CPU_ONLY, **(env or {})})
 
 
 def run_two_nodes(*args, gpus=1, timeout=180, env=None):

@@ -9,7 +9,7 @@ from torch.utils.data import DistributedSampler
 from conftest import ROOT, SCRIPTS, TEST_IMAGES
 
 # The model, the data pipeline and the evaluation (the DDP scripts' train_epoch also resumes from snapshots).
-SHARED = ["Net", "fail", "load_mnist", "to_device", "loader", "synchronize", "evaluate", "peak_memory_bytes",
+SHARED = ["Net", "fail", "load_mnist", "batches", "synchronize", "reset_peak_memory", "peak_memory_bytes",
           "write_json_atomically"]
 
 

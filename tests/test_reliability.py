@@ -2,6 +2,7 @@
 and clearly, jobs on one host never collide on a port, and 05 runs between two network namespaces."""
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, free_port, run, run_two_nodes, script_command, start
+from conftest import ROOT, TORCHRUN, free_port, run, run_two_nodes, script_command, start
 
 TRAIN = ["--epochs", 2, "--batch-size", 32, "--log-interval", 0, "--snapshot-every", 8]
 
@@ -35,42 +36,58 @@ def wait_for(condition, timeout, interval=0.005):
         time.sleep(interval)
 
 
-def torchrun_03(out, quick_mnist_dir, *launcher_args):
+def torchrun_06(out, quick_mnist_dir, *extra, launcher=()):
     args = ["--data-dir", quick_mnist_dir, "--snapshot", out / "snapshot.pt", "--save-model", out / "model.pt",
-            "--metrics-json", out / "metrics.json", *TRAIN]
-    out.mkdir()
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            *launcher_args, str(ROOT / "03_ddp_launch.py"), *map(str, args)]
+            "--metrics-json", out / "metrics.json", *TRAIN, *extra]
+    out.mkdir(exist_ok=True)
+    return script_command("06_fault_tolerant.py", *args, nprocs=2, launcher=launcher)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(quick_mnist_dir, tmp_path_factory):
+    """Two epochs with dropout on: every rank's own masks must resume too."""
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
-    run(torchrun_03(out, quick_mnist_dir))
+    run(torchrun_06(out, quick_mnist_dir))
     return json.loads((out / "metrics.json").read_text()), torch.load(out / "model.pt")
+
+
+def assert_same_training(out, uninterrupted):
+    """Bitwise the same weights, and the same record of the epochs trained after the resume."""
+    record, weights = json.loads((out / "metrics.json").read_text()), torch.load(out / "model.pt")
+    reference_record, reference_weights = uninterrupted
+    assert all(torch.equal(weights[k], reference_weights[k]) for k in reference_weights), "weights differ"
+    last = reference_record["epochs_detail"][-1]
+    assert {k: record["epochs_detail"][-1][k] for k in ("lr", "test_loss", "test_accuracy")} == {
+        k: last[k] for k in ("lr", "test_loss", "test_accuracy")}  # lr: the schedule resumed too
 
 
 def test_a_killed_worker_is_restarted_and_training_resumes_exactly(uninterrupted, quick_mnist_dir, tmp_path):
     out = tmp_path / "killed"
-    job = start(torchrun_03(out, quick_mnist_dir, "--max-restarts", "3"))
-    try:
-        wait_for(lambda: (out / "snapshot.pt").exists(), timeout=120)  # the first snapshot: mid-epoch 1
+    job = start(torchrun_06(out, quick_mnist_dir, "--log-interval", 1, launcher=["--max-restarts", "3"]))
+    try:  # in epoch 2, one step after its first snapshot: the schedule and the RNG must resume as well
+        wait_for(lambda: job.stdout.readline().startswith("epoch 2 step 9/"), timeout=180)
         os.kill(max(children(job.pid)), signal.SIGKILL)
         stdout, stderr = job.communicate(timeout=240)
     finally:
         job.kill()
     assert job.returncode == 0, stderr
-    assert "resuming from" in stdout, stdout
-    record, weights = json.loads((out / "metrics.json").read_text()), torch.load(out / "model.pt")
-    reference_record, reference_weights = uninterrupted
-    assert all(torch.equal(weights[k], reference_weights[k]) for k in reference_weights), "weights differ"
-    assert (record["test_accuracy"], record["test_loss"]) == (reference_record["test_accuracy"],
-                                                             reference_record["test_loss"])
+    assert "resuming from" in stdout and "epoch 2, step 8" in stdout, stdout
+    assert_same_training(out, uninterrupted)
+
+
+def test_resuming_at_an_epoch_end_and_with_nothing_left(uninterrupted, quick_mnist_dir, tmp_path):
+    out = tmp_path / "resumed"
+    run(torchrun_06(out, quick_mnist_dir, "--epochs", 1))
+    assert "resuming from" in run(torchrun_06(out, quick_mnist_dir)).stdout  # at epoch 2, step 0
+    assert_same_training(out, uninterrupted)
+    before = (out / "metrics.json").read_bytes()
+    result = run(torchrun_06(out, quick_mnist_dir))
+    assert "nothing to train" in result.stderr and (out / "metrics.json").read_bytes() == before
 
 
 def test_a_kill_during_a_save_leaves_the_last_snapshot_loadable(quick_mnist_dir, tmp_path):
     snapshot = tmp_path / "snapshot.pt"
-    job = start(script_command("03_ddp_launch.py", "--data-dir", quick_mnist_dir, "--snapshot", snapshot,
+    job = start(script_command("06_fault_tolerant.py", "--data-dir", quick_mnist_dir, "--snapshot", snapshot,
                                "--snapshot-every", 1, "--log-interval", 0))
     try:
         wait_for(snapshot.exists, timeout=120)
@@ -84,16 +101,15 @@ def test_a_kill_during_a_save_leaves_the_last_snapshot_loadable(quick_mnist_dir,
 
 
 KILL_LAUNCHES = {  # started without restarts: one killed process must end the whole job
-    "spawn": lambda *args: script_command("04_ddp_spawn.py", "--nprocs", 2, *args),
-    "torchrun": lambda *args: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                               "--max-restarts", "0", str(ROOT / "03_ddp_launch.py"), *map(str, args)],
+    "spawn": lambda *args: script_command("04_ddp_spawn.py", "--nprocs", 2, "--master-port", free_port(), *args),
+    "torchrun": lambda *args: script_command("06_fault_tolerant.py", "--timeout", 30, *args, nprocs=2,
+                                             launcher=["--max-restarts", "0"]),
 }
 
 
 @pytest.mark.parametrize("launch", KILL_LAUNCHES)
 def test_a_killed_rank_ends_the_job_quickly_and_says_why(launch, quick_mnist_dir):
-    job = start(KILL_LAUNCHES[launch]("--data-dir", quick_mnist_dir, "--epochs", 5, "--log-interval", 1,
-                                      "--timeout", 30))
+    job = start(KILL_LAUNCHES[launch]("--data-dir", quick_mnist_dir, "--epochs", 5, "--log-interval", 1))
     try:
         wait_for(lambda: job.stdout.readline().startswith("epoch 1 step 2/"), timeout=120)
         os.kill(max(children(job.pid)), signal.SIGKILL)
@@ -109,8 +125,9 @@ def test_a_killed_rank_ends_the_job_quickly_and_says_why(launch, quick_mnist_dir
 
 
 def test_three_jobs_at_once_on_one_host_do_not_collide(quick_mnist_dir, tmp_path):
-    jobs = [start(script_command("04_ddp_spawn.py", "--data-dir", quick_mnist_dir, "--nprocs", 2, "--max-steps", 2,
-                                 "--threads", 1, "--log-interval", 0, "--metrics-json", tmp_path / f"{i}.json"))
+    jobs = [start(script_command("06_fault_tolerant.py", "--data-dir", quick_mnist_dir, "--max-steps", 2,
+                                 "--threads", 1, "--log-interval", 0, "--metrics-json", tmp_path / f"{i}.json",
+                                 nprocs=2))
             for i in range(3)]
     try:
         results = [job.communicate(timeout=240) for job in jobs]
@@ -170,3 +187,55 @@ def test_multinode_runs_between_two_hosts_like_on_loopback(two_hosts, quick_mnis
     assert (two_hosts_record["world_size"], two_hosts_record["nodes"]) == (2, 2)
     for key in ("test_accuracy", "test_loss", "train_samples"):
         assert two_hosts_record[key] == loopback_record[key], key
+
+
+def test_the_slowest_rank_sets_the_clock(quick_mnist_dir, tmp_path):
+    """Rank 0 is stopped for 3 s between epochs: rank 1 waits for it in epoch 2, and the record says so."""
+    job = start(script_command("04_ddp_spawn.py", "--data-dir", quick_mnist_dir, "--nprocs", 2, "--epochs", 2,
+                               "--max-steps", 4, "--log-interval", 0, "--master-port", free_port(),
+                               "--metrics-json", tmp_path / "m.json"))
+    try:
+        wait_for(lambda: job.stdout.readline().startswith("epoch 1:"), timeout=120)
+        rank0 = min(children(job.pid))  # mp.spawn starts rank 0 first
+        os.kill(rank0, signal.SIGSTOP)
+        time.sleep(3)
+        os.kill(rank0, signal.SIGCONT)
+        _, stderr = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 0, stderr
+    epoch2 = json.loads((tmp_path / "m.json").read_text())["epochs_detail"][1]
+    assert epoch2["train_time_s"] >= 3 and epoch2["steady_time_s"] >= 3
+
+
+def test_an_interrupted_metrics_write_leaves_the_old_file_whole(quick_mnist_dir, tmp_path):
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text('{"earlier": "run"}')
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))  # noqa: E731  (the record is larger)
+    result = run(script_command("01_single_gpu.py", "--data-dir", quick_mnist_dir, "--max-steps", 2,
+                                "--metrics-json", metrics), check=False, preexec_fn=limit)
+    assert "samples/s" in result.stdout, result.stderr  # it got as far as writing the record
+    assert result.returncode != 0 and metrics.read_text() == '{"earlier": "run"}'
+
+
+def test_every_rank_resumes_what_rank_0_saved(uninterrupted, quick_mnist_dir, tmp_path):
+    """Two nodes whose snapshot paths differ (no shared disk): node 1 has none, yet both resume."""
+    first = tmp_path / "node0"
+    run(torchrun_06(first, quick_mnist_dir, "--epochs", 1))
+    port = free_port()
+
+    def node(rank, out):
+        launcher = ["--nnodes", 2, "--node-rank", rank, "--master-addr", "127.0.0.1", "--master-port", port]
+        args = ["--data-dir", quick_mnist_dir, "--snapshot", out / "snapshot.pt", "--save-model", out / "model.pt",
+                "--metrics-json", out / "metrics.json", *TRAIN]
+        return [*TORCHRUN, "--nproc-per-node", 1, *launcher, str(ROOT / "06_fault_tolerant.py"), *args]
+
+    (tmp_path / "node1").mkdir()
+    node1 = start([str(a) for a in node(1, tmp_path / "node1")])
+    try:
+        result = run([str(a) for a in node(0, first)], timeout=240)
+        assert node1.wait(timeout=60) == 0, node1.communicate()
+    finally:
+        node1.kill()
+    assert "resuming from" in result.stdout
+    assert_same_training(first, uninterrupted)

@@ -1,4 +1,4 @@
-"""The five trainers, run as a user runs them: they learn, agree with each other, and count every test image once."""
+"""The trainers, run as a user runs them: they learn, agree with each other, and count every test image once."""
 import json
 import os
 import sys
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import (NO_NETWORK, QUICK_TEST_IMAGES, ROOT, SCRIPTS, TEST_IMAGES, load_script, run, run_two_nodes,
-                      script_command)
+from conftest import (NO_NETWORK, QUICK_TEST_IMAGES, ROOT, SCRIPTS, TEST_IMAGES, TORCHRUN, free_port, load_script,
+                      run, run_two_nodes, script_command)
 
 # Every key of the metrics record in the design contract (shared/DESIGN.md; the README lists them too).
 RECORD_KEYS = {"schema", "script", "mode", "device_type", "device_names", "world_size", "nodes", "backend",
@@ -29,12 +29,12 @@ def run_mode(script, data_dir, out, *extra, timeout=180):
     args = train_args(data_dir, out, *extra)
     if script.startswith("01") or script.startswith("02"):
         result = run(script_command(script, *args, "--batch-size", 2 * B), timeout=timeout)
-    elif script.startswith("03"):
+    elif script.startswith(("03", "06")):
         result = run(script_command(script, *args, "--batch-size", B, nprocs=2), timeout=timeout)
     elif script.startswith("04"):
         result = run(script_command(script, *args, "--batch-size", B, "--nprocs", 2), timeout=timeout)
-    else:
-        result = run_two_nodes(*args, "--batch-size", B, timeout=timeout)
+    else:  # two nodes of two processes: the global rank must be node rank x 2 + local rank
+        result = run_two_nodes(*args, "--batch-size", B // 2, gpus=2, timeout=timeout)
     record = json.loads((out / "metrics.json").read_text())
     return result.stdout, record, torch.load(out / "model.pt")
 
@@ -48,9 +48,13 @@ def same_batch_runs(quick_mnist_dir, tmp_path_factory):
 
 
 def test_same_global_batch_gives_the_same_update(same_batch_runs):
-    reference = same_batch_runs["01_single_gpu.py"][2]
+    reference_record, reference = same_batch_runs["01_single_gpu.py"][1:]
     for script, (_, record, weights) in same_batch_runs.items():
         assert record["global_batch"] == 2 * B and record["steps"] == 6
+        # The same mean loss per sample: a sum weighted by batch size, divided by all samples of all ranks.
+        for mine, reference_epoch in zip(record["epochs_detail"], reference_record["epochs_detail"]):
+            assert mine["train_loss"] == pytest.approx(reference_epoch["train_loss"], rel=1e-4), script
+        assert 1.0 < record["epochs_detail"][0]["train_loss"] < 3.0, "chance is ln 10 = 2.3"
         for name, tensor in reference.items():
             torch.testing.assert_close(weights[name], tensor, rtol=1e-4, atol=1e-5, msg=f"{script}: {name}")
 
@@ -75,7 +79,7 @@ def test_distributed_modes_record_their_world(same_batch_runs):
     cores = len(os.sched_getaffinity(0))
     expected = {"01_single_gpu.py": ("single", 1, 1), "02_data_parallel.py": ("dp", 1, 1),
                 "03_ddp_launch.py": ("ddp_launch", 2, 1), "04_ddp_spawn.py": ("ddp_spawn", 2, 1),
-                "05_multinode_mnist.py": ("ddp_multinode", 2, 2)}
+                "05_multinode_mnist.py": ("ddp_multinode", 4, 2), "06_fault_tolerant.py": ("ddp_fault_tolerant", 2, 1)}
     for script, (mode, world_size, nodes) in expected.items():
         record = same_batch_runs[script][1]
         assert (record["mode"], record["world_size"], record["nodes"]) == (mode, world_size, nodes)
@@ -98,29 +102,24 @@ def evaluate_on_one_process(mnist_dir, weights):
     test_set = single.load_mnist(args, train=False)
     net = single.Net()
     net.load_state_dict(weights)
-    cpu = torch.device("cpu")
-    loss, correct, count = single.evaluate(net, single.loader(test_set, range(len(test_set)), 1000, cpu), cpu).tolist()
-    return correct / count, loss / count, int(count)
+    result = single.evaluate(net, test_set, range(len(test_set[1])), args, None)
+    return result["test_accuracy"], result["test_loss"], result["test_samples"]
 
 
 LAUNCHES = {  # world size: how 03 is started
-    1: lambda args: script_command("03_ddp_launch.py", *args),  # plain python: a world of one, and it says so
-    # The legacy launcher passes --local-rank, which the script accepts (it reads LOCAL_RANK).
-    2: lambda args: [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2",
+    1: lambda args: script_command("03_ddp_launch.py", *args, nprocs=1),
+    # The deprecated launcher, as 03's docstring shows it (--use-env: no --local-rank argument).
+    2: lambda args: [sys.executable, "-m", "torch.distributed.launch", "--use-env", "--nproc_per_node", "2",
                      str(ROOT / "03_ddp_launch.py"), *map(str, args)],
     3: lambda args: script_command("03_ddp_launch.py", *args, nprocs=3),  # 3 does not divide 10,000
 }
 
 
-@pytest.mark.parametrize("world_size", LAUNCHES, ids=["python", "legacy-launcher-2", "torchrun-3"])
+@pytest.mark.parametrize("world_size", LAUNCHES, ids=["torchrun-1", "legacy-launcher-2", "torchrun-3"])
 def test_evaluation_counts_every_test_image_once(world_size, mnist_dir, tmp_path):
     result = run(LAUNCHES[world_size](train_args(mnist_dir, tmp_path, "--max-steps", 3, "--batch-size", B)))
     record = json.loads((tmp_path / "metrics.json").read_text())
     assert record["world_size"] == world_size
-    if world_size == 1:
-        assert "not started by torchrun" in result.stderr
-    if world_size == 2:
-        assert any(a.startswith("--local-rank") for a in record["argv"])
     accuracy, loss, count = evaluate_on_one_process(mnist_dir, torch.load(tmp_path / "model.pt"))
     assert record["epochs_detail"][0]["test_samples"] == count == TEST_IMAGES
     assert record["test_accuracy"] == accuracy
@@ -143,25 +142,21 @@ def test_each_epoch_has_its_own_shuffle_and_the_group_is_destroyed(quick_mnist_d
     """In-process, as a world of one: record the training batches of two epochs."""
     module = load_script("03_ddp_launch.py")
     seen = []
+    real_batches = module.batches
 
-    class RecordingBatchSampler(module.BatchSampler):
-        def __iter__(self):
-            for batch in super().__iter__():
-                if isinstance(self.sampler, module.DistributedSampler):
-                    seen.append((self.sampler.epoch, batch))
-                yield batch
+    def recording_batches(data, indices, batch_size):
+        if batch_size == 8:  # the training batches (the test batches are 1,000)
+            seen.append(list(indices)[:8])
+        return real_batches(data, indices, batch_size)
 
-    monkeypatch.setattr(module, "BatchSampler", RecordingBatchSampler)
-    saved = dict(os.environ)  # the script sets RANK, MASTER_PORT, ...: later tests' subprocesses must not inherit them
-    try:
-        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            os.environ.pop(key, None)
-        module.main(["--data-dir", str(quick_mnist_dir), "--epochs", "2", "--max-steps", "2", "--log-interval", "0"])
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    first, second = ([b for e, b in seen if e == epoch] for epoch in (1, 2))
-    assert len(first) == len(second) == 2 and first != second
+    monkeypatch.setattr(module, "batches", recording_batches)
+    world_of_one = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(free_port()))
+    for key, value in world_of_one.items():
+        monkeypatch.setenv(key, value)
+    module.main(["--data-dir", str(quick_mnist_dir), "--epochs", "2", "--max-steps", "2", "--batch-size", "8",
+                 "--log-interval", "0", "--cpu"])
+    assert len(seen) == 2 and seen[0] != seen[1]
     assert not dist.is_initialized()
 
 

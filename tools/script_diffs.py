@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 PAIRS = [("01_single_gpu.py", "02_data_parallel.py"), ("01_single_gpu.py", "03_ddp_launch.py"),
-         ("03_ddp_launch.py", "04_ddp_spawn.py"), ("04_ddp_spawn.py", "05_multinode_mnist.py")]
+         ("03_ddp_launch.py", "04_ddp_spawn.py"), ("04_ddp_spawn.py", "05_multinode_mnist.py"),
+         ("03_ddp_launch.py", "06_fault_tolerant.py")]
 BLOCK = re.compile(r"(<!-- diff (\S+) (\S+) -->\n).*?(<!-- end diff -->)", re.S)
 
 
