@@ -1,5 +1,6 @@
 """The CUDA paths: run on a GPU machine (`pytest -m gpu`); skipped where there is no GPU."""
 import json
+import os
 
 import pytest
 import torch
@@ -9,10 +10,15 @@ from conftest import run, script_command
 pytestmark = pytest.mark.gpu
 
 
+# The other tests hide the GPUs from the scripts they start; these give them back.
+GPUS = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(8))))}
+
+
 def train(script, out, *args, nprocs=None):
     out.mkdir()
     run(script_command(script, "--synthetic", "--max-steps", 4, "--log-interval", 0, "--no-dropout",
-                       "--metrics-json", out / "m.json", "--save-model", out / "model.pt", *args, nprocs=nprocs))
+                       "--metrics-json", out / "m.json", "--save-model", out / "model.pt", *args, nprocs=nprocs),
+        env=GPUS)
     return json.loads((out / "m.json").read_text()), torch.load(out / "model.pt", map_location="cpu")
 
 
