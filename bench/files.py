@@ -1,10 +1,25 @@
-"""Atomic file writes: a reader (or a Ctrl-C) never sees half a file."""
+"""Files written atomically (a reader, or a Ctrl-C, never sees half of one), and reading JSON back."""
+import argparse
 import json
 import os
 
 
-def _tmp(path):
-    return f"{path}.tmp{os.getpid()}"
+def write_atomically(path, write):
+    """write(temporary path), then one os.replace onto path."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def write_text(path, text):
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write(text)
+    write_atomically(path, write)
+
+
+def write_json(path, obj):
+    write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
 def read_json(path, default=None):
@@ -16,25 +31,9 @@ def read_json(path, default=None):
         return default
 
 
-def write_text(path, text):
-    tmp = _tmp(path)
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def write_json(path, obj):
-    write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
-
-
-def write_csv(path, frame):
-    """A pandas DataFrame as CSV, written in one os.replace."""
-    tmp = _tmp(path)
-    frame.to_csv(tmp, index=False)
-    os.replace(tmp, path)
-
-
-def save_figure(fig, path):
-    tmp = _tmp(path)
-    fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
-    os.replace(tmp, path)
+def json_path(path):
+    """argparse type of the tools' --json: refuse an unwritable path before measuring, not after minutes of it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {path}: {folder} does not exist or is not writable")
+    return path

@@ -6,105 +6,62 @@ import matplotlib
 matplotlib.use("Agg")  # files only: works on machines without a display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from files import save_figure  # noqa: E402
-from sweep import MODES, SCRIPTS  # noqa: E402
-
-LABELS = {m: f"{SCRIPTS[m][:2]} {m}" for m in MODES}
+from bench.files import write_atomically  # noqa: E402
+from bench.scripts import LABELS  # noqa: E402
 
 
-def _series(summary):
-    """(label, rows of one mode and variant sorted by n) for every line of a plot."""
-    many = summary["variant"].nunique() > 1
-    for (variant, mode), rows in summary.groupby(["variant", "mode"], sort=False):
-        yield LABELS.get(mode, mode) + (f" [{variant}]" if many else ""), rows.sort_values("n")
+def series(summary, column, scale=1):
+    """column x scale as a table: one row per n, one column per line (mode, and variant and batch when several)."""
+    many = [c for c in ("variant", "batch") if summary[c].nunique() > 1]
+    label = summary["mode"].map(LABELS) + summary[many].astype(str).apply(lambda r: "".join(f" [{v}]" for v in r)
+                                                                           if many else "", axis=1)
+    table = summary.assign(line=label, y=scale * summary[column]).pivot_table(index="n", columns="line", values="y",
+                                                                             sort=False)
+    return table.dropna(axis=1, how="all").sort_index(axis=1)  # labels start 01, 02, ...: reading order
 
 
-def _figure(title, hardware, xlabel, ylabel):
+def draw(summary, column, title, ylabel, path, hardware, xlabel, bars=False, scale=1, ideal=None, empty="no data"):
+    table = series(summary, column, scale)
     fig, ax = plt.subplots(figsize=(8, 5))
-    ax.set_title(f"{title}\n{hardware}", fontsize=11)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
-    return fig, ax
-
-
-def _legend(ax):
-    # Outside the axes, so that it never hides a bar or a point.
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0, fontsize=9)
-
-
-def _note(ax, text):
-    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=10, color="0.4", wrap=True)
-
-
-def _integer_ticks(ax, summary):
-    ax.set_xticks(sorted(summary["n"].unique()))
-
-
-def throughput(summary, hardware, xlabel, path):
-    fig, ax = _figure("Training throughput", hardware, xlabel, "throughput (samples/s, all devices)")
-    for label, rows in _series(summary):
-        ax.plot(rows["n"], rows["samples_per_s"], marker="o", label=label)
-    base = summary[(summary["mode"] == "single") & (summary["n"] == 1)]
-    if len(base):
-        ns = sorted(summary["n"].unique())
-        ax.plot(ns, [n * base["samples_per_s"].iloc[0] for n in ns], "k--", label="ideal: n x 01")
-    _integer_ticks(ax, summary)
-    ax.set_ylim(bottom=0)
-    _legend(ax)
-    save_figure(fig, path)
-    plt.close(fig)
-
-
-def efficiency(summary, hardware, xlabel, path):
-    fig, ax = _figure("Scaling efficiency E(n) = X(n) / (n * X(01))", hardware, xlabel, "efficiency (%)")
-    drawn = False
-    for label, rows in _series(summary):
-        rows = rows.dropna(subset=["efficiency"])
-        if len(rows):
-            ax.plot(rows["n"], 100 * rows["efficiency"], marker="o", label=label)
-            drawn = True
-    ax.axhline(100, color="k", linestyle="--", label="ideal (100%)")
-    if not drawn:
-        _note(ax, "no baseline: 01 at n = 1 did not run or did not finish")
-    _integer_ticks(ax, summary)
-    ax.set_ylim(bottom=0)
-    _legend(ax)
-    save_figure(fig, path)
-    plt.close(fig)
-
-
-def _bars(summary, column, scale, hardware, title, xlabel, ylabel, path, empty_note):
-    """Grouped bars: one group per n, one bar per mode (accuracy and time to target are not lines)."""
-    fig, ax = _figure(title, hardware, xlabel, ylabel)
-    series = list(_series(summary))
-    ns = sorted(summary["n"].unique())
-    width = 0.8 / max(len(series), 1)
-    drawn = False
-    for i, (label, rows) in enumerate(series):
-        rows = rows.dropna(subset=[column])
-        if len(rows):
-            xs = [ns.index(n) + (i - (len(series) - 1) / 2) * width for n in rows["n"]]
-            ax.bar(xs, scale * rows[column], width=width, label=label)
-            drawn = True
-    ax.set_xticks(range(len(ns)), [str(n) for n in ns])
-    if drawn:
-        _legend(ax)
+    if table.empty:
+        ax.text(0.5, 0.5, empty, transform=ax.transAxes, ha="center", color="0.4")
+    elif bars:  # accuracy and time to target at each n are not lines
+        table.plot.bar(ax=ax, rot=0, width=0.8)
     else:
-        _note(ax, empty_note)
-    save_figure(fig, path)
+        table.plot(ax=ax, marker="o", xticks=table.index)
+    if ideal is not None and not table.empty:
+        ideal(ax, table.index)
+    ax.set(title=f"{title}\n{hardware}", xlabel=xlabel, ylabel=ylabel)
+    ax.title.set_fontsize(11)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:  # outside the axes, so that it never hides a bar or a point
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0, fontsize=9)
+    write_atomically(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
     plt.close(fig)
 
 
 def write_all(out_dir, summary, hardware, settings):
+    """[(file, title)] of the plots written."""
     xlabel = "n (processes on the CPU)" if settings.cpu else "n (GPUs)"
-    if settings.synthetic:
-        hardware += " - synthetic data"
-    throughput(summary, hardware, xlabel, os.path.join(out_dir, "throughput.png"))
-    efficiency(summary, hardware, xlabel, os.path.join(out_dir, "efficiency.png"))
-    why = ("synthetic data: accuracy is meaningless" if settings.synthetic
-           else f"no run reached {settings.target_acc:.2%} test accuracy")
-    _bars(summary, "time_to_target_s", 1, hardware, f"Time to {settings.target_acc:.2%} test accuracy (training time)",
-          xlabel, "time to target (s)", os.path.join(out_dir, "time_to_target.png"), why)
-    _bars(summary, "test_accuracy", 100, hardware, "Final test accuracy (10,000 images)", xlabel, "test accuracy (%)",
-          os.path.join(out_dir, "accuracy.png"), "no run finished")
+    hardware += " - synthetic data" if settings.synthetic else ""
+    x01 = summary[(summary["mode"] == "single") & (summary["n"] == 1) & (summary["variant"] == "base")]
+
+    def ideal_throughput(ax, ns):
+        for batch, x in zip(x01["batch"], x01["samples_per_s"]):
+            ax.plot(ns, [n * x for n in ns], "k--", alpha=0.6, label="ideal: n x 01" + (f" [B={batch}]" if len(x01) > 1 else ""))
+
+    target = f"{settings.target_acc:.2%}"
+    plots = [("throughput.png", "Training throughput", "samples_per_s", "throughput (samples/s, all devices)",
+              dict(ideal=ideal_throughput)),
+             ("efficiency.png", "Scaling efficiency E(n) = X(n) / (n X(01))", "efficiency", "efficiency (%)",
+              dict(scale=100, ideal=lambda ax, ns: ax.axhline(100, color="k", linestyle="--", label="ideal (100%)"),
+                   empty="no baseline: 01 at n = 1 did not finish")),
+             ("time_to_target.png", f"Time to {target} test accuracy (training time)", "time_to_target_s",
+              "time to target (s)", dict(bars=True, empty="synthetic data: accuracy is meaningless" if settings.synthetic
+                                         else f"no run reached {target} test accuracy")),
+             ("accuracy.png", "Final test accuracy (10,000 images)", "test_accuracy", "test accuracy (%)",
+              dict(bars=True, scale=100, empty="no run finished"))]
+    for name, title, column, ylabel, options in plots:
+        draw(summary, column, title, ylabel, os.path.join(out_dir, name), hardware, xlabel, **options)
+    return [(name, title) for name, title, *_ in plots]

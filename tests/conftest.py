@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from fake_mnist import write_fake_mnist  # noqa: E402  (shared with bench/classic_vs_ours.py)
-from loader_speed import load_script  # noqa: E402,F401  (a numbered script as a module, to call its functions)
-from sweep import free_port  # noqa: E402,F401  (the harness's, for the tests' own jobs)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the bench package, from the repository root
+from bench.fake_mnist import write_fake_mnist  # noqa: E402  (shared with bench/measure/classic_vs_ours.py)
+from bench.machine import free_port  # noqa: E402,F401  (the harness's, for the tests' own jobs)
+from bench.scripts import load_script  # noqa: E402,F401  (a numbered script as a module, to call its functions)
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ["01_single_gpu.py", "02_data_parallel.py", "03_ddp_launch.py", "04_ddp_spawn.py", "05_multinode_mnist.py",

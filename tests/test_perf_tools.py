@@ -1,4 +1,4 @@
-"""The overhead tools in bench/ (loader_speed, classic_vs_ours, allreduce), run as a user runs them, tiny settings."""
+"""The measurement tools in bench/measure/ (loader_speed, allreduce, classic_vs_ours), run as a user runs them."""
 import json
 import subprocess
 import sys
@@ -8,24 +8,19 @@ import pytest
 import torch
 from torchvision import datasets
 
-from conftest import ROOT
-
-sys.path.insert(0, str(ROOT / "bench"))
-import classic_vs_ours  # noqa: E402
-import loader_speed  # noqa: E402
-import report  # noqa: E402
-import sweep  # noqa: E402
+from conftest import ROOT, load_script, write_fake_mnist
+from bench import plan, report, runner
 
 
-def tool(name, *args, timeout=180):
-    out = subprocess.run([sys.executable, f"bench/{name}", *map(str, args)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=timeout)
+def tool(name, *args, timeout=240):
+    out = subprocess.run([sys.executable, "-m", f"bench.measure.{name}", *map(str, args)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, f"{name} exited {out.returncode}:\n{out.stdout}\n{out.stderr}"
     return out
 
 
 def test_loader_speed_reports_the_loader_alone_and_its_ratio_to_01s_training(tmp_path):
-    out = tool("loader_speed.py", "--synthetic", "--cpu", "--passes", 1, "--train-steps", 7,
+    out = tool("loader_speed", "--synthetic", "--cpu", "--passes", 1, "--train-steps", 7,
                "--json", tmp_path / "loader.json")
     result = json.loads((tmp_path / "loader.json").read_text())
     assert result["loader_samples_per_s"] > 0 and result["train_samples_per_s"] > 0
@@ -36,22 +31,22 @@ def test_loader_speed_reports_the_loader_alone_and_its_ratio_to_01s_training(tmp
 
 def test_harness_records_the_loader_figure_and_report_divides_it_by_01s_throughput(tmp_path):
     # A large batch: few batches per epoch keep this test quick; the figure's meaning is the same.
-    settings = sweep.Settings(devices=[], cpu_processes=1, per_gpu_batch=1000, epochs=1, max_steps=8,
-                              test_batch_size=1000, seed=1, synthetic=True, data_dir="data", target_acc=0.98,
-                              timeout=60, cores=2)
-    figure = loader_speed.sweep_figure(settings, str(ROOT), str(tmp_path))
+    settings = plan.Settings(gpus=[], cpu_processes=1, batches=[1000], epochs=1, max_steps=8, test_batch_size=1000,
+                             seed=1, synthetic=True, data_dir="data", target_acc=0.98, timeout=60, cores=2)
+    (tmp_path / "logs").mkdir()
+    figure = runner.loader_figure(settings, str(tmp_path))
     assert figure["loader_samples_per_s"] > 0 and figure["train_samples_per_s"] is None, figure
     train = figure["loader_samples_per_s"] / 100
-    summary = pd.DataFrame([dict(variant="base", mode="single", n=1, samples_per_s=train)])
+    summary = pd.DataFrame([dict(variant="base", batch=1000, mode="single", n=1, samples_per_s=train)])
     assert "= 100 x 01's training throughput" in report.loader_line(dict(loader=figure), summary)
     assert "not measured (boom)" in report.loader_line(dict(loader={"error": "boom"}), summary)
 
 
 def test_allreduce_reports_busbw_from_algbw_and_includes_the_gradient_size(tmp_path):
-    out = tool("allreduce.py", "--nprocs", 2, "--cpu", "--min-bytes", 4096, "--max-bytes", 16384, "--iters", 2,
+    out = tool("allreduce", "--nprocs", 2, "--cpu", "--min-bytes", 4096, "--max-bytes", 16384, "--iters", 2,
                "--warmup", 1, "--json", tmp_path / "allreduce.json")
     result = json.loads((tmp_path / "allreduce.json").read_text())
-    params = sum(p.numel() for p in loader_speed.load_script().Net().parameters())
+    params = sum(p.numel() for p in load_script().Net().parameters())
     assert result["gradient_bytes"] == params * 4 == 4_799_528
     assert [r["bytes"] for r in result["rows"]] == [4096, 16384, 4_799_528]
     n = result["world_size"]
@@ -60,23 +55,28 @@ def test_allreduce_reports_busbw_from_algbw_and_includes_the_gradient_size(tmp_p
         assert r["busbw_gb_s"] == pytest.approx(r["algbw_gb_s"] * 2 * (n - 1) / n)
         assert r["algbw_gb_s"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9)
     assert "4,799,528" in out.stdout and "model's gradient" in out.stdout
-    assert (tmp_path / "env.json").exists()
+    assert "torch_version" in json.loads((tmp_path / "env.json").read_text())
 
 
 def test_fake_mnist_has_the_requested_sizes_in_torchvisions_layout(tmp_path):
-    classic_vs_ours.write_fake_mnist(tmp_path, train=300, test=200)
+    write_fake_mnist(tmp_path, train=300, test=200)
     train, test = datasets.MNIST(tmp_path, train=True), datasets.MNIST(tmp_path, train=False)
     assert (len(train), len(test)) == (300, 200)
     assert train.data.dtype == torch.uint8 and set(train.targets.tolist()) <= set(range(10))
 
 
 def test_classic_vs_ours_times_both_trainers_alternately_and_reports_the_ratio(tmp_path):
-    data = classic_vs_ours.write_fake_mnist(tmp_path / "mnist", train=640, test=1000)
-    out = tool("classic_vs_ours.py", "--data-dir", data, "--max-steps", 3, "--repeats", 1,
-               "--json", tmp_path / "cvo.json", timeout=240)
+    data = write_fake_mnist(tmp_path / "mnist", train=640, test=1000)
+    out = tool("classic_vs_ours", "--data-dir", data, "--max-steps", 3, "--repeats", 1, "--json", tmp_path / "cvo.json")
     result = json.loads((tmp_path / "cvo.json").read_text())
     assert [r["trainer"] for r in result["runs"]] == ["ours", "classic"]
     assert all(r["wall_s"] > 0 and "accuracy" in r["output"] for r in result["runs"])
     assert result["ratio"] == pytest.approx(result["ours_best_s"] / result["classic_best_s"])
     assert "01_single_gpu.py --epochs 1" in result["runs"][0]["command"]
     assert "ours/classic =" in out.stdout and (tmp_path / "env.json").exists()
+
+
+def test_a_tool_refuses_an_unwritable_json_path_before_measuring(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "bench.measure.allreduce", "--json", tmp_path / "no" / "a.json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "cannot write" in out.stderr and "Traceback" not in out.stderr
