@@ -122,6 +122,10 @@ def check_args(args):
         folder = os.path.dirname(os.path.abspath(path or "."))
         if path and (os.path.isdir(path) or not os.access(folder, os.W_OK)):
             fail(f"cannot write {path}: its folder does not exist or is not writable")
+
+
+def check_launch(args):
+    """Lightning's flags, checked here: the Trainer would stop with a traceback, or later."""
     if args.strategy not in STRATEGIES:
         fail(f"--strategy must be {' or '.join(STRATEGIES)}, got {args.strategy}")
     if args.accelerator not in ACCELERATORS:
@@ -129,7 +133,8 @@ def check_args(args):
     gpus = 0 if args.cpu else torch.cuda.device_count()
     wants_gpus = args.accelerator == "gpu" or (args.accelerator == "auto" and gpus > 0)
     if wants_gpus and args.devices > gpus:
-        fail(f"--devices {args.devices} GPUs, but {gpus} can be seen (--cpu: run on the CPU)")
+        fail(f"--devices {args.devices} needs {args.devices} GPUs, {gpus} can be seen "
+             "(--cpu uses none)")
     launched = launcher_world()
     if launched and launched != (args.devices, args.num_nodes):
         fail(f"the launcher started {launched[0]} processes on each of {launched[1]} nodes: "
@@ -253,6 +258,8 @@ class MNISTModule(L.LightningModule):
         self.train_data = [t.to(device) for t in load_mnist(self.args, train=True)]
         self.test_data = [t.to(device) for t in load_mnist(self.args, train=False)]
         self.net = Net(dropout=not self.args.no_dropout)
+        if self.args.compile:
+            self.net.compile()  # in place: the same module and weights, a compiled forward
 
     def train_dataloader(self):
         # Our sampler, not Lightning's (Trainer(use_distributed_sampler=False)): Lightning's would
@@ -300,8 +307,9 @@ class MNISTModule(L.LightningModule):
 
     def on_validation_epoch_end(self):
         device = self.ctx["device"]
-        loss_sum, correct, count = (all_ranks(x, device) for x in (self.loss_sum, self.correct,
-                                                                    self.count))
+        loss_sum = all_ranks(self.loss_sum, device)  # totals over all ranks: each image once
+        correct = all_ranks(self.correct, device)
+        count = all_ranks(self.count, device)
         self.test = dict(test_loss=loss_sum / count, test_accuracy=correct / count,
                          test_samples=int(count))
 
@@ -404,6 +412,7 @@ class Metrics(L.Callback):
 def main(argv=None):
     args = parse_args(argv)
     check_args(args)
+    check_launch(args)
     module = MNISTModule(args)
     trainer = L.Trainer(
         accelerator="cpu" if args.cpu else args.accelerator, devices=args.devices,
@@ -414,7 +423,7 @@ def main(argv=None):
         callbacks=[Metrics(args)], num_sanity_val_steps=0, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     try:
-        trainer.fit(torch.compile(module) if args.compile else module)
+        trainer.fit(module)
     except RuntimeError as e:  # a peer died: one line; other errors keep their traceback
         if not isinstance(e, dist.DistError) and "peer" not in str(e).lower():
             raise

@@ -11,12 +11,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import NO_NETWORK, QUICK_TEST_IMAGES, ROOT, TEST_IMAGES, load_script, run, script_command
+from conftest import (NO_NETWORK, QUICK_TEST_IMAGES, ROOT, TEST_IMAGES, load_script, run,
+                      script_command)
 from test_bad_input import assert_fails_clearly
 
 pytest.importorskip("lightning", reason="07_lightning.py needs lightning (requirements.txt)")
 
 SCRIPT = "07_lightning.py"
+pytestmark = pytest.mark.filterwarnings("ignore:The `srun` command")  # in-process runs
 B = 32  # per-process batch; 01 takes 2 * B
 # What Lightning prints unless told not to; none of it may reach the user.
 NOISE = ["GPU available", "LOCAL_RANK", "Initializing distributed", "distributed_backend", "srun",
@@ -61,7 +63,8 @@ def same_steps(quick_mnist_dir, tmp_path_factory):
 
 def test_two_processes_take_01s_steps_at_twice_the_batch(same_steps):
     single, lit = same_steps["01"], same_steps["07"]
-    assert lit.record["global_batch"] == 2 * B and lit.record["steps"] == single.record["steps"] == 6
+    assert lit.record["global_batch"] == 2 * B
+    assert lit.record["steps"] == single.record["steps"] == 6
     for name, tensor in single.weights.items():
         torch.testing.assert_close(lit.weights[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
     for mine, theirs in zip(lit.record["epochs_detail"], single.record["epochs_detail"]):
@@ -75,14 +78,15 @@ def test_metrics_record_has_01s_keys_and_meanings(same_steps):
     single, record = same_steps["01"].record, same_steps["07"].record
     assert record.keys() == single.keys()
     assert all(e.keys() == single["epochs_detail"][0].keys() for e in record["epochs_detail"])
-    world = (record["mode"], record["script"], record["world_size"], record["nodes"], record["backend"])
-    assert world == ("lightning", SCRIPT, 2, 1, "gloo")
+    assert (record["mode"], record["script"]) == ("lightning", SCRIPT)
+    assert (record["world_size"], record["nodes"], record["backend"]) == (2, 1, "gloo")
     assert record["threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
     assert record["per_device_batch"] * 2 == record["global_batch"] == 2 * B
     assert record["train_samples"] == record["steps"] * record["global_batch"]
     # Two warm-up steps (5, capped so one step is timed) are left out of epoch 1 only, as in 01.
     assert record["steady_samples"] == record["train_samples"] - 2 * record["global_batch"]
-    assert record["samples_per_s"] == pytest.approx(record["steady_samples"] / record["steady_time_s"])
+    steady_rate = record["steady_samples"] / record["steady_time_s"]
+    assert record["samples_per_s"] == pytest.approx(steady_rate)
     assert [e["epoch"] for e in record["epochs_detail"]] == [1, 2]
     assert [e["test_samples"] for e in record["epochs_detail"]] == [QUICK_TEST_IMAGES] * 2
 
@@ -91,9 +95,15 @@ def test_output_is_01s_without_lightnings_noise(same_steps):
     lit = same_steps["07"]
     lines = lit.stdout.splitlines()
     assert all(line.startswith(("epoch ", "lightning: ")) for line in lines), lit.stdout
-    assert lit.stdout.count("epoch 2:") == 1 and lit.stdout.count("epoch 2 step 0/3") == 1  # rank 0
+    assert lit.stdout.count("epoch 2:") == 1  # rank 0 only
+    assert lit.stdout.count("epoch 2 step 0/3") == 1
     assert lines[-1].startswith("lightning: ") and "world size 2, cpu" in lines[-1]
     assert not [word for word in NOISE if word in lit.stdout + lit.stderr], lit.stderr
+
+
+@pytest.fixture(scope="module")
+def lightning_script():
+    return load_script(SCRIPT)
 
 
 def evaluate_on_one_process(mnist_dir, weights):
@@ -107,14 +117,25 @@ def evaluate_on_one_process(mnist_dir, weights):
     return single.evaluate(net, test_data, range(len(test_data[1])), args, ctx)
 
 
-@pytest.mark.parametrize("world_size", [1, 3], ids=["python-1", "torchrun-3"])
-def test_evaluation_counts_every_test_image_once(world_size, mnist_dir, tmp_path):
-    """3 does not divide 10,000: Lightning's own sampler would count 10,002 images there."""
+def test_evaluation_counts_every_test_image_once_at_world_size_3(mnist_dir, tmp_path):
+    """3 does not divide 10,000: Lightning's own sampler would count 10,002 images here."""
     args = train_args(mnist_dir, tmp_path, "--max-steps", 3, "--batch-size", B)
-    lit = outcome(run(lightning(*args, devices=world_size, torchrun=world_size > 1)), tmp_path)
-    assert lit.record["world_size"] == world_size
+    lit = outcome(run(lightning(*args, devices=3, torchrun=True)), tmp_path)
+    assert lit.record["world_size"] == 3
     reference = evaluate_on_one_process(mnist_dir, lit.weights)
-    assert lit.record["epochs_detail"][0]["test_samples"] == reference["test_samples"] == TEST_IMAGES
+    counted = lit.record["epochs_detail"][0]["test_samples"]
+    assert counted == reference["test_samples"] == TEST_IMAGES
+    assert lit.record["test_accuracy"] == reference["test_accuracy"]
+    assert lit.record["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-6)
+
+
+def test_one_device_evaluates_like_01(lightning_script, quick_mnist_dir, tmp_path):
+    """In this process (no process group: Lightning's single-device strategy), on the quick set."""
+    lightning_script.main([str(a) for a in train_args(quick_mnist_dir, tmp_path, "--max-steps", 2)])
+    lit = outcome(SimpleNamespace(stdout="", stderr=""), tmp_path)
+    assert (lit.record["world_size"], lit.record["backend"]) == (1, None)
+    reference = evaluate_on_one_process(quick_mnist_dir, lit.weights)
+    assert lit.record["epochs_detail"][0]["test_samples"] == QUICK_TEST_IMAGES
     assert lit.record["test_accuracy"] == reference["test_accuracy"]
     assert lit.record["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-6)
 
@@ -138,18 +159,14 @@ BAD = {
     "num-nodes 0": (["--num-nodes", "0"], "--num-nodes must be positive", {}),
     "accelerator tpu": (["--accelerator", "tpu"], "--accelerator must be auto or cpu or gpu", {}),
     "batch size 0": (["--batch-size", "0"], "--batch-size must be positive", {}),
-    "more GPUs than there are": (["--accelerator", "gpu", "--devices", "99"], "--devices 99 GPUs", {}),
+    "more GPUs than there are": (["--accelerator", "gpu", "--devices", "99"],
+                                 "--devices 99 needs 99 GPUs", {}),
     "devices unlike torchrun's": ([], "--devices 2 --num-nodes 1",
                                   {"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "RANK": "0"}),
     "batch larger than the data": (["--batch-size", "5000"], "more than the 4096 training", {}),
     "data missing": (["--data-dir", "{tmp}/nothing-here"], "--synthetic", NO_NETWORK),
     "metrics folder missing": (["--metrics-json", "{tmp}/missing/m.json"], "cannot write", {}),
 }
-
-
-@pytest.fixture(scope="module")
-def lightning_script():
-    return load_script(SCRIPT)
 
 
 @pytest.mark.parametrize("case", BAD, ids=list(BAD))
@@ -167,8 +184,8 @@ def test_bad_input_fails_with_one_clear_line(case, lightning_script, quick_mnist
             *[a.format(tmp=tmp_path) for a in args]]
     with pytest.raises(SystemExit) as exited:
         lightning_script.main(argv)
-    assert_fails_clearly(SimpleNamespace(returncode=exited.value.code, stderr=capsys.readouterr().err),
-                         expected)
+    result = SimpleNamespace(returncode=exited.value.code, stderr=capsys.readouterr().err)
+    assert_fails_clearly(result, expected)
     assert exited.value.code == 2
     assert all(p.read_bytes() == content for p, content in before.items()), "a file changed"
 
@@ -176,6 +193,7 @@ def test_bad_input_fails_with_one_clear_line(case, lightning_script, quick_mnist
 def test_a_bad_strategy_fails_with_one_clear_line_from_the_command_line(tmp_path):
     metrics = tmp_path / "metrics.json"
     metrics.write_text('{"earlier": "run"}')
-    result = run(lightning("--strategy", "bogus", "--metrics-json", metrics), check=False, timeout=120)
+    command = lightning("--strategy", "bogus", "--metrics-json", metrics)
+    result = run(command, check=False, timeout=120)
     assert_fails_clearly(result, "--strategy must be auto or ddp or ddp_spawn, got bogus")
     assert result.returncode == 2 and metrics.read_text() == '{"earlier": "run"}'
