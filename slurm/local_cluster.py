@@ -163,14 +163,13 @@ def start(folder):
 
 
 def running(pid, name):
-    """Whether pid is still our daemon (not gone, not a zombie, not a recycled pid of something else)."""
+    """Whether pid is still our daemon: not gone, not a zombie, not a recycled pid of another program."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+        stat = Path(f"/proc/{pid}/stat").read_text()  # "PID (COMM) STATE ..."; cmdline can read empty at start
     except OSError:
         return False
-    state = stat.rsplit(")", 1)[1].split()[0]
-    return state != "Z" and os.path.basename(command.decode()) == name.split("-")[0]
+    command, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2]
+    return state != "Z" and command == name.split("-")[0]
 
 
 def cancel_jobs(folder):
@@ -186,21 +185,30 @@ def cancel_jobs(folder):
 
 def reap(pid):
     """Collect the exit status of a daemon this process started (context manager), so no zombie is left."""
+    deadline = time.monotonic() + STOP_TIMEOUT_S
     try:
-        os.waitpid(pid, 0)  # it has been sent SIGTERM, or SIGKILL
+        while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:  # (0, 0): still exiting
+            time.sleep(0.05)
     except ChildProcessError:
         pass  # started by another process (`start` on the command line): init collects it
 
 
 def stop(folder):
-    """Stop the daemons that `start` recorded, by pid: SIGTERM, then SIGKILL for any that linger."""
+    """Stop the daemons that `start` recorded, by pid: SLURM's first (they need munge to shut down), then munged."""
     folder = Path(folder).resolve()
     pids = read_pids(folder)
     if pids.get("slurmctld") and running(pids["slurmctld"], "slurmctld"):
         cancel_jobs(folder)
-    for name in sorted(pids, key=lambda name: name == "munged"):  # munged last: slurm needs it to shut down
-        if running(pids[name], name):
-            os.kill(pids[name], signal.SIGTERM)
+    terminate({name: pid for name, pid in pids.items() if name != "munged"})
+    terminate({name: pid for name, pid in pids.items() if name == "munged"})
+    (folder / "pids.json").unlink(missing_ok=True)
+
+
+def terminate(pids):
+    """SIGTERM, then SIGKILL for any that linger."""
+    for name, pid in pids.items():
+        if running(pid, name):
+            os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT_S
     while any(running(pid, name) for name, pid in pids.items()) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -208,7 +216,6 @@ def stop(folder):
         if running(pid, name):
             os.kill(pid, signal.SIGKILL)
         reap(pid)
-    (folder / "pids.json").unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
