@@ -82,6 +82,7 @@ def write_config(folder, ports):
         "AccountingStorageType=accounting_storage/none",
         "MailProg=/bin/true",
         "ReturnToService=2",
+        "MinJobAge=5",  # sbatch --wait polls every 2 s only while that is under MinJobAge/2; else up to 32 s
     ]
     for node, port in zip(NODES, ports[1:]):
         lines.append(f"NodeName={node} Port={port} CPUs={cpus} State=UNKNOWN")

@@ -48,7 +48,8 @@ def job_output(folder):
 def job_state(env, job_id):
     result = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=env, capture_output=True, text=True,
                             timeout=10)
-    return re.search(r"JobState=(\S+)", result.stdout).group(1)
+    found = re.search(r"JobState=(\S+)", result.stdout)
+    return found.group(1) if found else "forgotten"  # the cluster keeps a finished job's record 5 s (MinJobAge)
 
 
 def job_processes(env, job_id, node):
@@ -63,17 +64,22 @@ def task_pid(env, job_id, node):
     return next((int(row[0]) for row in job_processes(env, job_id, node) if row[2] == "0" and row[3] == "0"), None)
 
 
-def job_over(env, job_id):
-    """Whether the job has ended and none of its processes is left on any node."""
-    ended = job_state(env, job_id) not in ("PENDING", "RUNNING", "COMPLETING")
-    return ended and not any(job_processes(env, job_id, node) for node in NODES)
+def final_state(env, job_id):
+    """The job's final state once it has ended and none of its processes is left on any node, else None."""
+    state = job_state(env, job_id)
+    if state in ("PENDING", "RUNNING", "COMPLETING"):
+        return None
+    left = [row for node in NODES for row in job_processes(env, job_id, node)]
+    return None if left else state
 
 
 def wait_until(condition, timeout, what):
+    """condition()'s first true value, polled every 0.2 s."""
     deadline = time.monotonic() + timeout
-    while not condition():
+    while not (value := condition()):
         assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
         time.sleep(0.2)
+    return value
 
 
 def test_batch_script_trains_on_two_nodes(cluster, quick_mnist_dir, tmp_path):
@@ -101,10 +107,10 @@ def test_a_killed_task_ends_the_whole_job(cluster, tmp_path):
         wait_until(lambda: task_pid(cluster, job_id, NODES[1]), JOB_TIMEOUT_S, "the start of node 1's task")
         os.kill(task_pid(cluster, job_id, NODES[1]), signal.SIGKILL)
         killed_at = time.monotonic()
-        wait_until(lambda: job_over(cluster, job_id), KILL_BOUND_S, "the job's end after the kill")
+        state = wait_until(lambda: final_state(cluster, job_id), KILL_BOUND_S, "the job's end after the kill")
         print(f"the job and all its processes ended {time.monotonic() - killed_at:.1f} s after the kill")
     finally:
         job.kill()
-    assert job_state(cluster, job_id) == "FAILED"
+    assert state == "FAILED"
     output = job_output(tmp_path)
     assert f"{NODES[1]}: task 1: Killed" in output, output
