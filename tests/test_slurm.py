@@ -100,7 +100,7 @@ def test_batch_script_trains_on_two_nodes(cluster, quick_mnist_dir, tmp_path):
 
 def test_a_killed_task_ends_the_whole_job(cluster, tmp_path):
     """Node 1's task killed as soon as it runs, before its processes join node 0's: the worst case, where node 0
-    would wait for them until 05's --timeout (300 s). srun ends the job at once, and its output says why."""
+    would wait for them for PyTorch's rendezvous timeout (30 min). srun ends the job at once, and says why."""
     job = submit(cluster, tmp_path, 1, "--synthetic", "--log-interval", 0, wait=False)
     try:
         job_id = job.communicate(timeout=30)[0].strip()
