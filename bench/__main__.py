@@ -1,6 +1,3 @@
-"""`python -m bench` is `python bench/run_all.py`."""
-import sys
+from bench.run_all import main  # `python -m bench` is `python bench/run_all.py`
 
-from bench.run_all import main
-
-sys.exit(main())
+raise SystemExit(main())

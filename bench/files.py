@@ -1,21 +1,20 @@
-"""Files written atomically (a reader, or a Ctrl-C, never sees half of one), and reading JSON back."""
+"""Files written atomically (a reader, or a Ctrl-C, never sees half of one), and JSON read back."""
 import argparse
+import contextlib
 import json
 import os
+import pathlib
 
 
 def write_atomically(path, write):
-    """write(temporary path), then one os.replace onto path."""
+    """write(a temporary path), then one os.replace onto path."""
     tmp = f"{path}.tmp{os.getpid()}"
     write(tmp)
     os.replace(tmp, path)
 
 
 def write_text(path, text):
-    def write(tmp):
-        with open(tmp, "w") as f:
-            f.write(text)
-    write_atomically(path, write)
+    write_atomically(path, lambda tmp: pathlib.Path(tmp).write_text(text))
 
 
 def write_json(path, obj):
@@ -24,11 +23,9 @@ def write_json(path, obj):
 
 def read_json(path, default=None):
     """The JSON at path, or default when it is missing or unreadable."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return default
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads(pathlib.Path(path).read_text())
+    return default
 
 
 def json_path(path):

@@ -1,5 +1,5 @@
-"""What this machine is: CPU, GPUs, versions and the settings that change numerics, recorded beside every
-result so that it can be compared later; and a free TCP port for a run's rendezvous."""
+"""What this machine is (CPU, GPUs, versions, the settings that change numerics), recorded beside every
+result so that it can be compared later; and a free TCP port for a rendezvous."""
 import json
 import os
 import platform
@@ -9,9 +9,8 @@ import socket
 import subprocess
 import sys
 
-# torch's own environment report (torch.utils.collect_env), the versions it leaves out and the TF32/cuDNN
-# settings runs start with (the scripts do not change them), from a child process: the harness itself never
-# imports torch, so it never initialises CUDA and --help stays instant.
+# torch's environment report, the versions it leaves out, the TF32/cuDNN settings runs start with (the scripts
+# keep them), from a child process: the harness never imports torch (nor initialises CUDA).
 TORCH_REPORT = """import json, warnings, torch, torchvision
 from torch.utils import collect_env
 warnings.simplefilter("ignore")  # allow_tf32 is deprecated in new releases; its value still applies
@@ -22,7 +21,7 @@ info.update(torchvision_version=torchvision.__version__,
             cudnn_benchmark=torch.backends.cudnn.benchmark, cudnn_deterministic=torch.backends.cudnn.deterministic,
             cudnn_version=torch.backends.cudnn.version(), float32_matmul_precision=torch.get_float32_matmul_precision())
 print(json.dumps(info))"""
-LIST_GPUS = "import torch\nfor i in range(torch.cuda.device_count()): print(torch.cuda.get_device_name(i))"
+COUNT_GPUS = "import torch; print(torch.cuda.device_count())"
 
 
 def free_port():
@@ -32,41 +31,34 @@ def free_port():
         return s.getsockname()[1]
 
 
-def output_of(argv, timeout=120):
+def output_of(argv):
     """stdout of a command, or None when it is missing or fails (no nvidia-smi on a CPU machine)."""
-    if not shutil.which(argv[0]):
-        return None
     try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=120) if shutil.which(argv[0]) else None
     except (OSError, subprocess.SubprocessError):
         return None
     # nvidia-smi underlines its header with terminal escape codes even into a pipe: keep the text only.
-    return re.sub(r"\x1b\[[0-9;]*m", "", out.stdout).strip() if out.returncode == 0 else None
+    return re.sub(r"\x1b\[[0-9;]*m", "", out.stdout).strip() if out and out.returncode == 0 else None
 
 
 def gpus():
-    """[(id, name)] of the GPUs runs may use, each id as CUDA_VISIBLE_DEVICES names it.
-
-    A CUDA_VISIBLE_DEVICES the user set chooses them; otherwise every GPU, numbered as nvidia-smi does
-    (the runs get CUDA_DEVICE_ORDER=PCI_BUS_ID, so CUDA numbers them alike).
-    """
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    chosen = None if visible is None else [v.strip() for v in visible.split(",") if v.strip()]
-    listed = output_of(["nvidia-smi", "--query-gpu=index,uuid,name", "--format=csv,noheader"])
-    if listed is None:  # no nvidia-smi: ask torch, which sees only the chosen GPUs, in their order
-        names = (output_of([sys.executable, "-c", LIST_GPUS]) or "").splitlines()
-        return list(zip(chosen if chosen is not None else map(str, range(len(names))), names))
-    names, order = {}, []
+    """[(id, name)] of the GPUs runs may use, ids as CUDA_VISIBLE_DEVICES names them: those it holds if the user
+    set it, else all in nvidia-smi's order (the runs get CUDA_DEVICE_ORDER=PCI_BUS_ID: CUDA's order too)."""
+    listed = output_of(["nvidia-smi", "--query-gpu=index,uuid,name", "--format=csv,noheader"]) or ""
+    names = {}
     for index, uuid, name in (line.split(", ", 2) for line in listed.splitlines()):
         names[index] = names[uuid] = name
-        order.append(index)
-    return [(i, names.get(i, f"GPU {i}")) for i in (chosen if chosen is not None else order)]
+    if not listed:  # no nvidia-smi: ask torch, in a child process, how many GPUs it sees
+        names = {str(i): "GPU" for i in range(int(output_of([sys.executable, "-c", COUNT_GPUS]) or 0))}
+    chosen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [i for i in names if not i.startswith("GPU-")] if chosen is None else [i for i in chosen.split(",") if i]
+    return [(i.strip(), names.get(i.strip(), "unknown GPU")) for i in ids]
 
 
 def cpu_model():
     with open("/proc/cpuinfo") as f:
         models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    return models[0] if models else platform.processor() or platform.machine()
+    return models[0] if models else platform.machine()
 
 
 def cpu_cores():
@@ -75,17 +67,15 @@ def cpu_cores():
 
 def hardware_label(gpu_names, cpu_processes):
     """One line for plot titles and the report."""
-    if gpu_names:
-        return f"{len(gpu_names)}x {' + '.join(sorted(set(gpu_names)))}"
-    return f"CPU only: {cpu_model()}, {cpu_cores()} cores, up to {cpu_processes} processes (gloo)"
+    cpu = f"CPU only: {cpu_model()}, {cpu_cores()} cores, up to {cpu_processes} processes (gloo)"
+    return f"{len(gpu_names)}x {' + '.join(sorted(set(gpu_names)))}" if gpu_names else cpu
 
 
 def machine_tag(gpu_names):
     """results/<tag>: the hardware a sweep ran on, e.g. 4x-nvidia-h200 or cpu-2core-intel-xeon-processor."""
-    def slug(text):
-        text = re.sub(r"\((r|tm)\)|\bcpu\b|@.*$", "", text.lower())
-        return re.sub(r"[^a-z0-9]+", "-", text).strip("-")
-    return f"{len(gpu_names)}x-{slug(gpu_names[0])}" if gpu_names else f"cpu-{cpu_cores()}core-{slug(cpu_model())}"
+    name = re.sub(r"\((r|tm)\)|\bcpu\b|@.*$", "", (gpu_names[0] if gpu_names else cpu_model()).lower())
+    name = re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+    return f"{len(gpu_names)}x-{name}" if gpu_names else f"cpu-{cpu_cores()}core-{name}"
 
 
 def environment(repo, gpus_used):
@@ -94,7 +84,8 @@ def environment(repo, gpus_used):
     git = output_of(["git", "-C", repo, "rev-parse", "HEAD"])
     return dict(
         host=socket.gethostname(), cpu_model=cpu_model(), cpu_cores=cpu_cores(),
-        memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-        gpus_used=[dict(id=i, name=name) for i, name in gpus_used], nvidia_smi_topo=output_of(["nvidia-smi", "topo", "-m"]),
+        memory_gib=round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        gpus_used=", ".join(f"{i}: {name}" for i, name in gpus_used),
+        nvidia_smi_topo=output_of(["nvidia-smi", "topo", "-m"]),
         git_commit=git, git_dirty=bool(output_of(["git", "-C", repo, "status", "--porcelain"])) if git else None,
         **(json.loads(torch_report) if torch_report else {"torch_error": f"{sys.executable} cannot import torch"}))

@@ -7,21 +7,22 @@ matplotlib.use("Agg")  # files only: works on machines without a display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bench.files import write_atomically  # noqa: E402
-from bench.scripts import LABELS  # noqa: E402
+from bench.scripts import SCRIPTS  # noqa: E402
 
 
-def series(summary, column, scale=1):
-    """column x scale as a table: one row per n, one column per line (mode, and variant and batch when several)."""
-    many = [c for c in ("variant", "batch") if summary[c].nunique() > 1]
-    label = summary["mode"].map(LABELS) + summary[many].astype(str).apply(lambda r: "".join(f" [{v}]" for v in r)
-                                                                           if many else "", axis=1)
-    table = summary.assign(line=label, y=scale * summary[column]).pivot_table(index="n", columns="line", values="y",
-                                                                             sort=False)
-    return table.dropna(axis=1, how="all").sort_index(axis=1)  # labels start 01, 02, ...: reading order
+def lines(summary, column, scale):
+    """column x scale, one row per n and one column per line: "03 ddp_launch", [variant] and [B=...] when several."""
+    label = summary["mode"].map(lambda m: f"{SCRIPTS[m][:2]} {m}")
+    if summary["variant"].nunique() > 1:
+        label = label + " [" + summary["variant"] + "]"
+    if summary["batch"].nunique() > 1:
+        label = label + " [B=" + summary["batch"].astype(str) + "]"
+    table = summary.assign(line=label, y=scale * summary[column]).pivot_table(index="n", columns="line", values="y")
+    return table.dropna(axis=1, how="all")  # the labels start with the script's number: reading order
 
 
-def draw(summary, column, title, ylabel, path, hardware, xlabel, bars=False, scale=1, ideal=None, empty="no data"):
-    table = series(summary, column, scale)
+def draw(path, summary, column, title, ylabel, hardware, xlabel, bars=False, scale=1, ideal=None, empty=""):
+    table = lines(summary, column, scale)
     fig, ax = plt.subplots(figsize=(8, 5))
     if table.empty:
         ax.text(0.5, 0.5, empty, transform=ax.transAxes, ha="center", color="0.4")
@@ -29,11 +30,9 @@ def draw(summary, column, title, ylabel, path, hardware, xlabel, bars=False, sca
         table.plot.bar(ax=ax, rot=0, width=0.8)
     else:
         table.plot(ax=ax, marker="o", xticks=table.index)
-    if ideal is not None and not table.empty:
-        ideal(ax, table.index)
-    ax.set(title=f"{title}\n{hardware}", xlabel=xlabel, ylabel=ylabel)
-    ax.title.set_fontsize(11)
-    ax.set_ylim(bottom=0)
+        for label, y in (ideal or {}).items():
+            ax.plot(table.index, [y(n) for n in table.index], "k--", alpha=0.6, label=label)
+    ax.set(title=f"{title}\n{hardware}", xlabel=xlabel, ylabel=ylabel, ylim=(0, None))
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:  # outside the axes, so that it never hides a bar or a point
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0, fontsize=9)
@@ -42,26 +41,20 @@ def draw(summary, column, title, ylabel, path, hardware, xlabel, bars=False, sca
 
 
 def write_all(out_dir, summary, hardware, settings):
-    """[(file, title)] of the plots written."""
+    """Writes the plots; returns [(file, title)]."""
     xlabel = "n (processes on the CPU)" if settings.cpu else "n (GPUs)"
     hardware += " - synthetic data" if settings.synthetic else ""
-    x01 = summary[(summary["mode"] == "single") & (summary["n"] == 1) & (summary["variant"] == "base")]
-
-    def ideal_throughput(ax, ns):
-        for batch, x in zip(x01["batch"], x01["samples_per_s"]):
-            ax.plot(ns, [n * x for n in ns], "k--", alpha=0.6, label="ideal: n x 01" + (f" [B={batch}]" if len(x01) > 1 else ""))
-
     target = f"{settings.target_acc:.2%}"
+    x01 = summary[(summary["mode"] == "single") & (summary["n"] == 1) & (summary["variant"] == "base")]
+    ideal = {f"ideal: n x 01 [B={b}]": (lambda n, x=x: n * x) for b, x in zip(x01["batch"], x01["samples_per_s"])}
     plots = [("throughput.png", "Training throughput", "samples_per_s", "throughput (samples/s, all devices)",
-              dict(ideal=ideal_throughput)),
+              dict(ideal=ideal)),
              ("efficiency.png", "Scaling efficiency E(n) = X(n) / (n X(01))", "efficiency", "efficiency (%)",
-              dict(scale=100, ideal=lambda ax, ns: ax.axhline(100, color="k", linestyle="--", label="ideal (100%)"),
-                   empty="no baseline: 01 at n = 1 did not finish")),
+              dict(scale=100, ideal={"ideal (100%)": lambda n: 100}, empty="no 01 at n = 1: no baseline")),
              ("time_to_target.png", f"Time to {target} test accuracy (training time)", "time_to_target_s",
-              "time to target (s)", dict(bars=True, empty="synthetic data: accuracy is meaningless" if settings.synthetic
-                                         else f"no run reached {target} test accuracy")),
+              "time to target (s)", dict(bars=True, empty=f"no run reached {target} (synthetic data cannot)")),
              ("accuracy.png", "Final test accuracy (10,000 images)", "test_accuracy", "test accuracy (%)",
               dict(bars=True, scale=100, empty="no run finished"))]
     for name, title, column, ylabel, options in plots:
-        draw(summary, column, title, ylabel, os.path.join(out_dir, name), hardware, xlabel, **options)
+        draw(os.path.join(out_dir, name), summary, column, title, ylabel, hardware, xlabel, **options)
     return [(name, title) for name, title, *_ in plots]

@@ -1,19 +1,18 @@
-"""Starting and stopping every process the harness starts: the runs (one runs.csv row each; a failed run
-never stops the sweep) and, before them, the loader and all-reduce measurements of bench/measure/.
-
-Each command starts in its own process group so that a timeout or Ctrl-C stops it and every child it
-spawned (torchrun workers, spawn children, Lightning's processes).
-"""
+"""Starting and stopping every process of a sweep: the runs (a runs.csv row each; a failure never stops the
+sweep), and bench/measure/'s. Each in a process group of its own: a timeout or Ctrl-C stops all it spawned."""
+import contextlib
 import csv
-import json
+import itertools
+import math
 import os
+import pathlib
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 from bench.commands import commands, shown, visible
 from bench.files import read_json, write_atomically
@@ -33,81 +32,58 @@ COLUMNS = (["run_id", "variant", "mode", "n", "batch", "repeat", "status", "exit
 
 
 def stop(procs):
-    """Stop whole process groups: a torchrun or spawn parent leaves its workers behind otherwise."""
+    """SIGTERM, then SIGKILL, to whole process groups: a torchrun or spawn parent leaves its workers otherwise."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for p in procs:
-            try:  # the leader may be gone while its children still run
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # the leader may be gone, not its children
                 os.killpg(p.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
         deadline = time.monotonic() + KILL_GRACE_S
         while sig == signal.SIGTERM and any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             time.sleep(0.1)
 
 
 def run_processes(cmds, log_paths, timeout):
-    """Run the commands at once, each logging to its file; (exit code, timed out). Ctrl-C stops them, re-raised."""
+    """Run [(environment, argv)] at once, each into its log; (exit code, timed out). Ctrl-C stops them."""
     procs = []
     try:
         for (env, argv), log_path in zip(cmds, log_paths):
-            with open(log_path, "w") as log:
-                log.write(f"$ {shlex.join(argv)}\n")
-                log.flush()
+            pathlib.Path(log_path).write_text(f"$ {shlex.join(argv)}\n")
+            with open(log_path, "a") as log:
                 procs.append(subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
                                               stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                               start_new_session=True))
         deadline, failed_at, timed_out = time.monotonic() + timeout, None, False
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
+        while any(p.poll() is None for p in procs) and not timed_out:
             if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
-                failed_at = now
-            timed_out = now > deadline
-            if timed_out or (failed_at is not None and now - failed_at > PEER_GRACE_S):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > PEER_GRACE_S:
                 break
             time.sleep(0.1)
+            timed_out = time.monotonic() > deadline
     finally:
         stop(procs)  # also after a clean exit: children a script left behind must not hold ports or cores
-    codes = [p.poll() for p in procs]
-    return next((c for c in codes if c != 0), 0), timed_out
+    return next((p.poll() for p in procs if p.poll() != 0), 0), timed_out
 
 
 def log_tail(paths, lines=15):
-    tails = []
-    for path in paths:
-        with open(path, errors="replace") as f:
-            tails.append("\n".join(f.read().splitlines()[-lines:]))
-    return "\n---\n".join(tails)
+    return "\n---\n".join("\n".join(pathlib.Path(p).read_text(errors="replace").splitlines()[-lines:]) for p in paths)
 
 
 def time_to_target(record, target):
     """Training seconds (evaluation left out) until an epoch's test accuracy reaches the target, else None."""
-    elapsed = 0.0
-    for epoch in record.get("epochs_detail", []):
-        elapsed += epoch["train_time_s"]
-        if epoch["test_accuracy"] >= target:
-            return elapsed
-    return None
+    epochs = record.get("epochs_detail", [])
+    elapsed = itertools.accumulate(epoch["train_time_s"] for epoch in epochs)
+    return next((t for t, epoch in zip(elapsed, epochs) if epoch["test_accuracy"] >= target), None)
 
 
-def read_record(path):
-    """(the metrics record, None) or (None, why there is none)."""
-    try:
-        with open(path) as f:
-            return json.load(f), None
-    except FileNotFoundError:
-        return None, "exited 0 but wrote no metrics record"
-    except (OSError, ValueError) as e:
-        return None, f"unreadable metrics record: {e}"
-
-
-def status(code, timed_out, record, why_no_record, settings):
+def status(code, timed_out, record, settings):
     """(status, error): ok only when the run exited 0, wrote its record, and trained where it was asked to."""
     if timed_out:
         return "timeout", f"killed after the {settings.timeout:g} s timeout"
     if code != 0:
         return "failed", f"exit code {code}"
     if record is None:
-        return "failed", why_no_record
+        return "failed", "exited 0 but wrote no readable metrics record"
     if not settings.cpu and record.get("device_type") != "cuda":  # a GPU sweep's row must be a GPU's figure
         return "failed", f"trained on {record.get('device_type')}, not on a GPU: can {sys.executable} use CUDA?"
     return "ok", ""
@@ -116,40 +92,35 @@ def status(code, timed_out, record, why_no_record, settings):
 def run_one(run, settings, out_dir):
     """Run one benchmark run and return its runs.csv row (never raises for a failed run)."""
     metrics = os.path.join(out_dir, "metrics", f"{run.run_id}.json")
-    snapshots = os.path.join(out_dir, f"snapshot-{run.run_id}")  # deleted after the run: results stay small
-    if os.path.exists(metrics):  # a redone run must never report, or resume from, an earlier attempt
-        os.remove(metrics)
+    snapshots = os.path.join(out_dir, f"snapshot-{run.run_id}")  # 06's, deleted after the run
+    pathlib.Path(metrics).unlink(missing_ok=True)  # a redone run must never report or resume an earlier attempt
     shutil.rmtree(snapshots, ignore_errors=True)
+    os.makedirs(snapshots)
     cmds = commands(run, settings, metrics, os.path.join(snapshots, "snapshot.pt"))
-    if run.mode == "ddp_fault_tolerant":
-        os.makedirs(snapshots)
     logs = [os.path.join(out_dir, "logs", f"{run.run_id}{f'.node{i}' if i else ''}.log") for i in range(len(cmds))]
     started, t0 = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.monotonic()
     code, timed_out = run_processes(cmds, logs, settings.timeout)
     wall = round(time.monotonic() - t0, 2)
     shutil.rmtree(snapshots, ignore_errors=True)
-    record, why = read_record(metrics)
-    state, error = status(code, timed_out, record, why, settings)
+    record = read_json(metrics)
+    state, error = status(code, timed_out, record, settings)
     argv = cmds[0][1]
     row = dict(run_id=run.run_id, variant=run.variant, mode=run.mode, n=run.n, batch=run.batch, repeat=run.repeat,
-               status=state, exit_code=code, error=error, loader_batch=int(argv[argv.index("--batch-size") + 1]),
+               status=state, exit_code=code, error=error, loader_batch=argv[argv.index("--batch-size") + 1],
                wall_s=wall, started_at=started, command=shown(cmds, settings.cpu), target_accuracy=settings.target_acc,
-               log_path=os.path.relpath(logs[0], out_dir), metrics_path=os.path.relpath(metrics, out_dir))
+               log_path=os.path.relpath(logs[0], out_dir), metrics_path=os.path.relpath(metrics, out_dir),
+               log_tail=log_tail(logs) if state != "ok" else None)
     if record is not None:
         row.update({k: record.get(k) for k in RECORD_COLUMNS})
         row["time_to_target_s"] = None if record.get("synthetic") else time_to_target(record, settings.target_acc)
-    if state != "ok":
-        row["log_tail"] = log_tail(logs)
     return row
 
 
 def write_runs(out_dir, rows):
-    """runs.csv (the csv module: pandas takes seconds to import, and only the report needs it)."""
+    """runs.csv (with the csv module: pandas takes seconds to import, and only the report needs it)."""
     def write(tmp):
         with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, COLUMNS)
-            writer.writeheader()
-            writer.writerows(rows)
+            csv.writer(f).writerows([COLUMNS] + [[row.get(c) for c in COLUMNS] for row in rows])
     write_atomically(os.path.join(out_dir, "runs.csv"), write)
 
 
@@ -159,44 +130,31 @@ def read_runs(out_dir):
         return list(csv.DictReader(f))
 
 
-def clock(seconds):
-    seconds = int(round(seconds))
-    return f"{seconds // 60}:{seconds % 60:02d}"
-
-
 def run_plan(runs, done, settings, out_dir):
-    """Run what is not done yet; runs.csv is rewritten after every run so that a stop loses at most one.
-    done: the ok rows of an earlier attempt, by key; kept, and so are those outside this plan (other --modes)."""
-    todo, fresh, t0 = [r for r in runs if r.key not in done], {}, time.monotonic()
-    unit = "processes" if settings.cpu else "GPUs"
+    """Run what is not done (done: earlier ok rows by run id, kept); runs.csv is rewritten after every run."""
+    todo, fresh, t0 = [r for r in runs if r.run_id not in done], {}, time.monotonic()
 
-    def rows():
-        planned = {r.key for r in runs}
-        return ([fresh.get(r.key) or done[r.key] for r in runs if r.key in fresh or r.key in done]
-                + [row for key, row in done.items() if key not in planned])
+    def rows():  # in plan order, then the earlier ones outside the plan
+        ids = [r.run_id for r in runs] + [i for i in done if i not in {r.run_id for r in runs}]
+        return [fresh.get(i) or done[i] for i in ids if i in fresh or i in done]
 
     for i, run in enumerate(todo, 1):
-        tag = f"[{i}/{len(todo)}] {run.mode} n={run.n} ({unit}) B={run.batch}" \
-            + (f" repeat {run.repeat}" if run.repeat > 1 else "") + ("" if run.variant == "base" else f" {run.variant}")
-        left = (time.monotonic() - t0) / (i - 1) * (len(todo) - i + 1) if i > 1 else None
-        print(f"{tag}: start, elapsed {clock(time.monotonic() - t0)}" + (f", about {clock(left)} left" if left else ""),
-              flush=True)
-        row = fresh[run.key] = run_one(run, settings, out_dir)
-        if row["status"] == "ok":
-            result = f"{row['samples_per_s'] or 0:,.0f} samples/s, accuracy {row['test_accuracy'] or 0:.2%}"
-        else:
-            result = f"{row['error']}, log {os.path.join(out_dir, row['log_path'])}"
+        tag = f"[{i}/{len(todo)}] {run.mode} n={run.n} ({'processes' if settings.cpu else 'GPUs'}) {run.run_id}"
+        elapsed = time.monotonic() - t0
+        left = f", about {timedelta(seconds=round(elapsed / (i - 1) * (len(todo) - i + 1)))} left" if i > 1 else ""
+        print(f"{tag}: start, elapsed {timedelta(seconds=round(elapsed))}{left}", flush=True)
+        row = fresh[run.run_id] = run_one(run, settings, out_dir)
+        result = (f"{row['samples_per_s'] or 0:,.0f} samples/s, accuracy {row['test_accuracy'] or 0:.2%}"
+                  if row["status"] == "ok" else f"{row['error']}, log {os.path.join(out_dir, row['log_path'])}")
         print(f"{tag}: {row['status']} in {row['wall_s']:.1f} s, {result}", flush=True)
         write_runs(out_dir, rows())
     return rows()
 
 
 def measure(tool, args, out_dir, name, gpus):
-    """Run a tool of bench/measure/ as its own process (the harness never initialises CUDA): its JSON, or
-    {'error': ...}. Its log is logs/<name>.log."""
+    """A tool of bench/measure/ as its own process (the harness never initialises CUDA): its JSON or {'error'}."""
     path, log = os.path.join(out_dir, f"{name}.json"), os.path.join(out_dir, "logs", f"{name}.log")
-    if os.path.exists(path):
-        os.remove(path)  # never report an earlier sweep's figure
+    pathlib.Path(path).unlink(missing_ok=True)  # never report an earlier sweep's figure
     argv = [sys.executable, "-m", f"bench.measure.{tool}", *map(str, args), "--json", path]
     code, timed_out = run_processes([(visible(gpus), argv)], [log], MEASURE_TIMEOUT_S)
     if timed_out or code != 0:
@@ -206,17 +164,19 @@ def measure(tool, args, out_dir, name, gpus):
 
 
 def loader_figure(settings, out_dir):
-    """The input pipeline alone, with the sweep's data, first batch and first device (report.md sets it
-    against the sweep's own 01 throughput, so the tool times no training: --train-steps 0)."""
-    args = ["--batch-size", settings.batches[0], "--train-steps", 0, "--passes", 3]
-    args += (["--synthetic"] if settings.synthetic else ["--data-dir", settings.data_dir]) + ["--cpu"] * settings.cpu
+    """The input pipeline alone, with the sweep's data, first batch and first device."""
+    args = ["--batch-size", settings.batches[0], "--passes", 3] + ["--cpu"] * settings.cpu
+    args += ["--synthetic"] if settings.synthetic else ["--data-dir", settings.data_dir]
     return measure("loader_speed", args, out_dir, "loader_speed", settings.gpus[:1])
 
 
 def allreduce_figures(settings, out_dir):
-    """{n: all-reduce time of the model's gradient} for every n >= 2, with the sweep's backend and devices:
-    4 KiB (the latency) and the gradient only, a few seconds each."""
-    args = ["--min-bytes", 4096, "--max-bytes", 4096, "--warmup", 3, "--iters", 10, "--timeout", 60, "--no-env"]
-    return {n: measure("allreduce", args + ["--nprocs", n] + (["--cpu"] if settings.cpu else ["--backend", "nccl"]),
-                       out_dir, f"allreduce-n{n}", settings.gpus[:n])
-            for n in device_counts(settings.max_n) if n >= 2}
+    """{n: all-reduce of the model's gradient} for every n >= 2, with the sweep's backend and devices."""
+    figures = {}
+    for n in [n for n in device_counts(settings.max_n) if n >= 2]:
+        args = ["--nprocs", n, "--min-bytes", 4096, "--max-bytes", 4096, "--warmup", 3, "--iters", 10,
+                "--no-env"] + ["--cpu"] * settings.cpu  # a few seconds each
+        figures[n] = measure("allreduce", args, out_dir, f"allreduce-n{n}", settings.gpus[:n])
+        time_us = (figures[n].get("gradient_row") or {}).get("time_us", math.nan)
+        print(f"all-reduce of the gradient at n={n}: {time_us / 1e3:.2f} ms {figures[n].get('error', '')}", flush=True)
+    return figures

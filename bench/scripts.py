@@ -8,7 +8,6 @@ SCRIPTS = {"single": "01_single_gpu.py", "dp": "02_data_parallel.py", "ddp_launc
            "ddp_spawn": "04_ddp_spawn.py", "ddp_multinode": "05_multinode_mnist.py",
            "ddp_fault_tolerant": "06_fault_tolerant.py", "lightning": "07_lightning.py"}
 MODES = list(SCRIPTS)
-LABELS = {mode: f"{script[:2]} {mode}" for mode, script in SCRIPTS.items()}  # "03 ddp_launch"
 
 
 def load_script(name="01_single_gpu.py"):

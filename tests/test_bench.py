@@ -53,14 +53,14 @@ def test_device_counts_are_one_then_powers_of_two_then_all(max_n, counts):
 
 
 def gpu_settings(ids, batches=(32,)):
-    return plan.Settings(gpus=ids, cpu_processes=2, batches=list(batches), epochs=1, max_steps=0,
+    return plan.Settings(gpus=ids, max_n=len(ids), batches=list(batches), epochs=1, max_steps=0,
                          test_batch_size=1000, seed=1, synthetic=True, data_dir="data", target_acc=0.98, timeout=60,
                          cores=16)
 
 
 def test_gpu_commands_follow_the_batch_size_rules_and_use_the_harness_interpreter():
     settings = gpu_settings(["4", "5", "6", "7"])
-    runs = plan.plan(settings, MODES, [("base", [])], repeats=1)
+    runs, _ = plan.plan(settings, MODES, [("base", [])], repeats=1)
     assert [(r.mode, r.n) for r in runs] == [(m, 1) for m in MODES if m != "ddp_multinode"] + [
         (m, n) for n in (2, 4) for m in MODES if m != "single"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
@@ -90,7 +90,7 @@ def test_gpu_commands_follow_the_batch_size_rules_and_use_the_harness_interprete
 
 def test_each_per_gpu_batch_variant_and_repeat_is_a_run_of_its_own():
     settings = gpu_settings(["0", "1"], batches=(64, 512))
-    runs = plan.plan(settings, ["single", "ddp_spawn"], [("base", []), ("amp", ["--amp"])], repeats=2)
+    runs, _ = plan.plan(settings, ["single", "ddp_spawn"], [("base", []), ("amp", ["--amp"])], repeats=2)
     assert len(runs) == 2 * 2 * 2 * 3 and len({r.run_id for r in runs}) == len(runs)
     for run in runs:
         argv = commands(run, settings, "m.json", "s.pt")[0][1]
@@ -101,7 +101,7 @@ def test_each_per_gpu_batch_variant_and_repeat_is_a_run_of_its_own():
 
 def test_variant_names_map_to_their_flags_and_add_to_the_named_flags_variants():
     args = run_all.parse_args(["--variants", "amp, compile,amp+compile,amp", "--variant", "lr2=--lr 2"])
-    assert args.variants + args.variant == [("amp", ["--amp"]), ("compile", ["--compile"]),
+    assert args.variants == [("amp", ["--amp"]), ("compile", ["--compile"]),
                                             ("amp+compile", ["--amp", "--compile"]), ("lr2", ["--lr", "2"])]
 
 
@@ -170,10 +170,10 @@ def test_efficiency_compares_each_batch_with_01_at_the_same_batch():
 
 def test_a_gpu_sweep_counts_a_run_that_trained_on_the_cpu_as_failed():
     settings = gpu_settings(["0"])
-    assert runner.status(0, False, {"device_type": "cuda"}, None, settings) == ("ok", "")
-    state, error = runner.status(0, False, {"device_type": "cpu"}, None, settings)
+    assert runner.status(0, False, {"device_type": "cuda"}, settings) == ("ok", "")
+    state, error = runner.status(0, False, {"device_type": "cpu"}, settings)
     assert state == "failed" and "trained on cpu, not on a GPU" in error
-    assert runner.status(0, False, {"device_type": "cpu"}, None, plan.Settings(**{**vars(settings), "gpus": []}))[0] == "ok"
+    assert runner.status(0, False, {"device_type": "cpu"}, plan.Settings(**{**vars(settings), "gpus": []}))[0] == "ok"
 
 
 def test_time_to_target_counts_training_time_until_the_first_epoch_at_target():
@@ -193,7 +193,7 @@ def test_time_to_target_counts_training_time_until_the_first_epoch_at_target():
     (["--gpus", "0", "--cpu", "2"], "not allowed with argument"),
     (["--per-gpu-batch", "x"], "invalid int_list value"),
     (["--variant", "nameless"], "--variant"),
-    (["--variants", "amp,fp8"], "unknown variant fp8"),
+    (["--variants", "amp,fp8"], "unknown variant 'fp8'"),
     (["--resume", "--force"], "not allowed with argument"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(tmp_path, fake_machine, args, message):
@@ -244,7 +244,7 @@ def test_a_failed_run_is_recorded_and_the_sweep_goes_on(full_sweep):
     runs = runs.set_index("run_id")
     assert runs.loc["single-n1-b64-r1", "status"] == "failed" and runs.loc["single-n1-b64-r1", "exit_code"] == 1
     assert "01 failed on purpose" in runs.loc["single-n1-b64-r1", "log_tail"]
-    assert "FAILED single-n1-b64-r1" in first.stderr
+    assert "FAILED: single-n1-b64-r1" in first.stderr
     others = runs.drop("single-n1-b64-r1")  # every later run, each started with the harness's own Python
     assert (others["status"] == "ok").all(), others[["status", "error", "log_tail"]]
 
@@ -264,7 +264,7 @@ def test_resume_redoes_only_the_failed_run_and_the_sweep_covers_every_mode(full_
                                                                        if m not in ("single", "dp")]
     assert sorted(zip(runs["mode"], runs["n"])) == sorted(expected)
     assert [line.split(":")[0] for line in second.stdout.splitlines() if line.startswith("[")] == \
-        ["[1/1] single n=1 (processes) B=64"] * 2  # progress: a start and an end line per run
+        ["[1/1] single n=1 (processes) single-n1-b64-r1"] * 2  # progress: a start and an end line per run
 
 
 @pytest.mark.slow
