@@ -385,8 +385,8 @@ def main(argv=None):
     ctx = setup(args)
     try:
         run(args, ctx)
-    except dist.DistError as e:  # a peer died, or --timeout passed: one line, not a traceback
-        fail(f"rank {ctx['rank']} lost the others (did one fail first?): {str(e).splitlines()[0]}")
+    except RuntimeError as e:  # a peer died (gloo: RuntimeError) or --timeout passed: one line
+        fail(f"rank {ctx['rank']} stopped (did another fail first?): {str(e).splitlines()[0]}")
     dist.destroy_process_group()
 
 

@@ -1,11 +1,12 @@
 """The CUDA paths: run on a GPU machine (`pytest -m gpu`); skipped where there is no GPU."""
 import json
 import os
+import warnings
 
 import pytest
 import torch
 
-from conftest import run, script_command
+from conftest import load_script, run, script_command
 
 pytestmark = pytest.mark.gpu
 
@@ -22,20 +23,21 @@ def train(script, out, *args, nprocs=None):
     return json.loads((out / "m.json").read_text()), torch.load(out / "model.pt", map_location="cpu")
 
 
+B = 32  # per GPU: every global batch is B x the GPU count, whatever that count is
+
+
 def test_every_mode_trains_on_cuda_and_reports_gpu_memory(tmp_path):
     gpus = torch.cuda.device_count()
-    runs = {"01": train("01_single_gpu.py", tmp_path / "01",
-                        "--batch-size", 64),
-            "02": train("02_data_parallel.py", tmp_path / "02",
-                        "--batch-size", 64, "--gpus", ",".join(map(str, range(gpus)))),
-            "03": train("03_ddp_launch.py", tmp_path / "03",
-                        "--batch-size", 64 // gpus, nprocs=gpus),
-            "04": train("04_ddp_spawn.py", tmp_path / "04",
-                        "--batch-size", 64 // gpus, "--nprocs", gpus)}
+    ids = ",".join(map(str, range(gpus)))
+    runs = {"01": train("01_single_gpu.py", tmp_path / "01", "--batch-size", B * gpus),
+            "02": train("02_data_parallel.py", tmp_path / "02", "--batch-size", B * gpus, "--gpus", ids),
+            "03": train("03_ddp_launch.py", tmp_path / "03", "--batch-size", B, nprocs=gpus),
+            "04": train("04_ddp_spawn.py", tmp_path / "04", "--batch-size", B, "--nprocs", gpus)}
     for name, (record, _) in runs.items():
         assert record["device_type"] == "cuda", name
         assert 0 < record["peak_memory_bytes"] < torch.cuda.get_device_properties(0).total_memory, name
-        assert record["global_batch"] == 64 and record["samples_per_s"] > 0, name
+        assert record["global_batch"] == B * gpus and record["samples_per_s"] > 0, name
+    assert len(runs["02"][0]["peak_memory_per_device"]) == gpus  # DataParallel: the peak of each of its GPUs
     assert runs["03"][0]["backend"] == runs["04"][0]["backend"] == "nccl"
     # Same global batch, same update, on the GPU too. cuDNN's convolution backward is not deterministic (atomic
     # adds), so two runs of the same script differ slightly and the differences grow with every step: compare
@@ -43,3 +45,34 @@ def test_every_mode_trains_on_cuda_and_reports_gpu_memory(tmp_path):
     for name, (_, weights) in runs.items():
         for key, tensor in runs["01"][1].items():
             torch.testing.assert_close(weights[key], tensor, rtol=1e-3, atol=1e-4, msg=f"{name}: {key}")
+
+
+def test_every_dataparallel_replica_trains_in_bfloat16(tmp_path):
+    gpus = torch.cuda.device_count()
+    record, _ = train("02_data_parallel.py", tmp_path / "02", "--batch-size", B * gpus, "--amp")
+    assert record["train_dtype"] == "torch.bfloat16"  # autocast's CUDA default in DataParallel's threads: float16
+
+
+def test_a_training_step_never_waits_for_the_gpu(quick_mnist_dir):
+    """Synchronisations per epoch, counted by CUDA's sync debug mode: as many for 12 steps as for 4."""
+    single = load_script("01_single_gpu.py")
+    args = single.parse_args(["--data-dir", str(quick_mnist_dir), "--log-interval", "0"])
+    ctx = single.setup(args)
+    data = [t.to(ctx["device"]) for t in single.load_mnist(args, train=True)]
+    sampler = single.DistributedSampler(range(len(data[1])), num_replicas=1, rank=0, seed=1)
+    net = single.Net().to(ctx["device"])
+    optimizer = torch.optim.Adadelta(net.parameters())
+
+    def synchronisations(steps):
+        args.max_steps = steps
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                single.train_epoch(net, data, sampler, optimizer, args, ctx, epoch=2)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    synchronisations(4)  # the first epoch also pays for start-up
+    assert synchronisations(12) == synchronisations(4)

@@ -239,3 +239,30 @@ def test_every_rank_resumes_what_rank_0_saved(uninterrupted, quick_mnist_dir, tm
         node1.kill()
     assert "resuming from" in result.stdout
     assert_same_training(first, uninterrupted)
+
+
+def test_a_restart_across_two_nodes_resumes_exactly(uninterrupted, quick_mnist_dir, tmp_path):
+    """Two torchrun agents (c10d rendezvous) on one host; node 1's worker is killed in epoch 2. Each agent
+    counts restarts for itself, yet both attempts meet and resume from the same snapshot."""
+    port = free_port()
+    args = ["--data-dir", quick_mnist_dir, "--snapshot", tmp_path / "snapshot.pt", *TRAIN, "--log-interval", 1]
+    launcher = ["--nnodes", 2, "--nproc-per-node", 1, "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                f"127.0.0.1:{port}", "--max-restarts", 3]
+    nodes = [start([str(a) for a in [*TORCHRUN, *launcher, ROOT / "06_fault_tolerant.py", *args,
+                                     "--save-model", tmp_path / f"model{n}.pt",
+                                     "--metrics-json", tmp_path / f"metrics{n}.json"]]) for n in range(2)]
+    try:
+        wait_for(lambda: (tmp_path / "snapshot.pt").exists() and torch.load(tmp_path / "snapshot.pt")["epoch"] == 2
+                 and torch.load(tmp_path / "snapshot.pt")["step"] == 8, timeout=240, interval=0.2)
+        os.kill(children(nodes[1].pid)[0], signal.SIGKILL)
+        outputs = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert any("resuming from" in stdout for stdout, _ in outputs)
+    rank0 = next(n for n in range(2) if (tmp_path / f"model{n}.pt").exists())  # c10d chooses which node is rank 0
+    (tmp_path / "run").mkdir()
+    (tmp_path / f"model{rank0}.pt").rename(tmp_path / "run" / "model.pt")
+    (tmp_path / f"metrics{rank0}.json").rename(tmp_path / "run" / "metrics.json")
+    assert_same_training(tmp_path / "run", uninterrupted)

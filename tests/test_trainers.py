@@ -2,6 +2,7 @@
 import json
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -165,3 +166,31 @@ def test_one_process_per_node_downloads_and_a_missing_dataset_fails_clearly(tmp_
     assert result.returncode != 0
     assert result.stderr.count("MNIST could not be loaded") == 1, result.stderr  # rank 1 waited, it did not try
     assert "--synthetic" in result.stderr
+
+
+def test_taking_a_batch_costs_under_2_percent_of_a_training_step(quick_mnist_dir):
+    """The input pipeline is never what is measured: time spent getting batches while 01 trains."""
+    single = load_script("01_single_gpu.py")
+    args = single.parse_args(["--data-dir", str(quick_mnist_dir), "--log-interval", "0", "--max-steps", "30",
+                              "--cpu"])
+    ctx = single.setup(args)
+    data = [t.to(ctx["device"]) for t in single.load_mnist(args, train=True)]
+    sampler = single.DistributedSampler(range(len(data[1])), num_replicas=1, rank=0, seed=1)
+    net = single.Net().to(ctx["device"])
+    spent = []
+    real_batches = single.batches
+
+    def timed_batches(*batches_args):
+        batches = real_batches(*batches_args)
+        while True:
+            start = time.perf_counter()
+            batch = next(batches, None)
+            spent.append(time.perf_counter() - start)
+            if batch is None:
+                return
+            yield batch
+
+    single.batches = timed_batches  # this module object only: the script itself is untouched
+    train = single.train_epoch(net, data, sampler, torch.optim.Adadelta(net.parameters()), args, ctx, epoch=2)
+    assert train["steps"] == 30
+    assert sum(spent) <= 0.02 * train["train_time_s"], f"{sum(spent):.4f} s of {train['train_time_s']:.2f} s"
