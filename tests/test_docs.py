@@ -1,16 +1,30 @@
-"""What the README teaches is kept true: its diffs are current, the scripts share their common parts word for
-word, and the pitfalls it describes are real. (The SLURM batch script is run by a real scheduler: test_slurm.py.)"""
+"""What the README teaches is kept true: its excerpts and the diffs in docs/diffs/ are current, every link, path and
+test name it cites exists, the scripts share their common parts word for word, and what it says of PyTorch itself
+(the legacy launcher, the backends' messages, Lightning 2, the sampler's padding) holds for the installed version.
+(The SLURM batch script is run by a real scheduler: test_slurm.py.)"""
+import argparse
 import ast
+import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
+import torch
+import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from conftest import ROOT, SCRIPTS, TEST_IMAGES
+from conftest import ROOT, SCRIPTS, TEST_IMAGES, free_port, run
 
 # The model, the data pipeline and the evaluation (the DDP scripts' train_epoch also resumes from snapshots).
 SHARED = ["Net", "fail", "load_mnist", "batches", "synchronize", "reset_peak_memory", "peak_memory_bytes",
           "write_json_atomically"]
+NUMBERED = sorted(path.name for path in ROOT.glob("0[0-9]_*.py"))
+TOOL = ROOT / "tools" / "script_diffs.py"
+# The Markdown a reader is sent to; docs/diffs/ is generated and checked by the tool.
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "results" / "README.md"]
+TOP_LEVEL = {"bench", "tests", "slurm", "docs", "results", "tools", ".ci"}
 
 
 def definitions(script):
@@ -27,21 +41,152 @@ def test_the_scripts_share_model_data_pipeline_and_evaluation_word_for_word():
             assert mine.get(name) == reference[name], f"{script}: {name} differs from {SCRIPTS[0]}'s"
 
 
-def test_readme_diffs_and_html_views_are_current():
-    result = subprocess.run([sys.executable, "tools/script_diffs.py", "--check"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=60)
+def script_diffs(root, *args):
+    return subprocess.run([sys.executable, TOOL, "--root", root, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_diffs_and_excerpts_are_current():
+    result = script_diffs(ROOT, "--check")
     assert result.returncode == 0, result.stderr
 
 
-def test_a_stale_diff_is_caught(tmp_path):
-    for name in [*SCRIPTS, "README.md"]:
-        (tmp_path / name).write_text((ROOT / name).read_text())
-    subprocess.run([sys.executable, ROOT / "tools/script_diffs.py", "--root", tmp_path], check=True, timeout=60)
-    with open(tmp_path / "04_ddp_spawn.py", "a") as f:
-        f.write("# an edit the README has not seen\n")
-    result = subprocess.run([sys.executable, ROOT / "tools/script_diffs.py", "--root", tmp_path, "--check"],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 1 and "README.md" in result.stderr
+@pytest.fixture
+def copy_of_the_docs(tmp_path):
+    """The scripts, the README and docs/diffs/ in a folder of their own, regenerated there."""
+    for name in [*NUMBERED, "README.md"]:
+        shutil.copy(ROOT / name, tmp_path / name)
+    shutil.copytree(ROOT / "docs" / "diffs", tmp_path / "docs" / "diffs")
+    assert script_diffs(tmp_path).returncode == 0
+    assert script_diffs(tmp_path, "--check").returncode == 0
+    return tmp_path
+
+
+def test_a_stale_diff_is_caught(copy_of_the_docs):
+    root = copy_of_the_docs
+    with open(root / "04_ddp_spawn.py", "a") as f:
+        f.write("# an edit the docs have not seen\n")
+    (root / "docs" / "diffs" / "01_single_gpu--99_gone.md").write_text("a pair that no longer exists\n")
+    result = script_diffs(root, "--check")
+    assert result.returncode == 1
+    for stale in ["03_ddp_launch--04_ddp_spawn.md", "03_ddp_launch--04_ddp_spawn.html",
+                  "04_ddp_spawn--05_multinode_mnist.md", "01_single_gpu--99_gone.md"]:
+        assert f"docs/diffs/{stale}" in result.stderr, result.stderr
+    assert "README.md" not in result.stderr  # the line is outside every excerpt
+    assert script_diffs(root).returncode == 0 and script_diffs(root, "--check").returncode == 0
+    assert not (root / "docs" / "diffs" / "01_single_gpu--99_gone.md").exists()
+
+
+def test_an_edit_inside_an_excerpt_makes_the_readme_stale(copy_of_the_docs):
+    root = copy_of_the_docs
+    readme = (root / "README.md").read_text()
+    shown = re.search(r"<!-- excerpt 01_single_gpu.py 03_ddp_launch.py: .*?```diff\n(.*?)```", readme, re.S)
+    added = next(line[1:] for line in shown.group(1).splitlines() if line.startswith("+") and line[1:].strip())
+    script = root / "03_ddp_launch.py"
+    script.write_text(script.read_text().replace(added, added + "  # edited", 1))
+    result = script_diffs(root, "--check")
+    assert result.returncode == 1 and "stale: README.md" in result.stderr, result.stderr
+
+
+def test_an_excerpt_that_selects_nothing_or_too_much_fails_with_one_line(copy_of_the_docs):
+    root = copy_of_the_docs
+    readme = (root / "README.md").read_text()
+    for marker, expected in [("<!-- excerpt 01_single_gpu.py 03_ddp_launch.py: no such line -->",
+                              "contains 'no such line'"),
+                             ("<!-- excerpt 01_single_gpu.py: Net | load_mnist -->", "more than 25")]:
+        (root / "README.md").write_text(readme + f"\n{marker}\n<!-- end excerpt -->\n")
+        result = script_diffs(root, "--check")
+        assert result.returncode == 2 and result.stderr.count("\n") == 1 and expected in result.stderr, result.stderr
+
+
+def prose(path):
+    """A page without its fenced code blocks."""
+    return re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+
+
+def anchors(path):
+    """The anchors a code host gives the headings of a Markdown page."""
+    headings = re.findall(r"^#+ (.+)$", prose(path), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_relative_link_and_path_the_docs_cite_exists():
+    broken = []
+    for page in PAGES + sorted((ROOT / "docs" / "diffs").glob("*.md")):
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose(page)):
+            if re.match(r"[a-z]+:", target):
+                continue  # https: and the like
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists() or (anchor and file.suffix == ".md" and anchor not in anchors(file)):
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+        for path in re.findall(r"`([\w.-]+/[\w./-]*)`", prose(page)):
+            if path.split("/")[0] in TOP_LEVEL and not (ROOT / path).exists():
+                broken.append(f"{page.relative_to(ROOT)}: `{path}`")
+    assert not broken, broken
+
+
+def test_every_test_the_docs_cite_exists():
+    tests = {}
+    for file in (ROOT / "tests").glob("test_*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                tests[node.name] = file.read_text()
+    record_keys = set(re.findall(r"\b(test_\w+)=", (ROOT / SCRIPTS[0]).read_text()))  # test_loss and the like
+    cited = [(page, name, case) for page in PAGES
+             for name, case in re.findall(r"`(test_\w+)(?:\[([^\]`]+)\])?`", prose(page)) if name not in record_keys]
+    assert cited, "the README cites no test"
+    missing = [f"{page.relative_to(ROOT)}: {name}" + (f"[{case}]" if case else "") for page, name, case in cited
+               if name not in tests or (case and f'"{case}"' not in tests[name])]
+    assert not missing, missing
+
+
+def test_the_legacy_launcher_takes_torchruns_arguments(monkeypatch):
+    """torch.distributed.launch is torchrun's parser plus --use-env; without it the script gets --local-rank=N."""
+    from torch.distributed import launch
+    from torch.distributed.run import config_from_args, get_args_parser
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # config_from_args would set it in this process
+    legacy = launch.parse_args(["--nproc-per-node", "2", "--max-restarts", "3", "--rdzv-backend", "c10d",
+                                "--rdzv-endpoint", "node0:29400", "train.py", "--lr", "1"])
+    assert (legacy.max_restarts, legacy.rdzv_backend) == (3, "c10d")
+    assert vars(legacy).keys() == vars(get_args_parser().parse_args(["train.py"])).keys() | {"use_env"}
+    assert config_from_args(legacy)[2] == ["-u", "train.py", "--local-rank=${local_rank}", "--lr", "1"]
+    with_env = launch.parse_args(["--use-env", "--nproc-per-node", "2", "train.py"])
+    assert "--local-rank=${local_rank}" not in config_from_args(with_env)[2]
+    assert "deprecated" in launch.main.__deprecated__
+    old_parser = argparse.ArgumentParser()
+    old_parser.add_argument("--local_rank", type=int)
+    with pytest.raises(SystemExit):  # what the posts' parser makes of it: "unrecognized arguments"
+        old_parser.parse_args(["--local-rank=0"])
+
+
+NCCL_WITHOUT_GPU = "ProcessGroupNCCL is only supported with GPUs, no GPUs found!"
+NCCL_NOT_BUILT = "Distributed package doesn't have NCCL built in"
+
+
+def test_backends_fail_with_the_messages_the_readme_quotes():
+    readme = (ROOT / "README.md").read_text()
+    assert NCCL_WITHOUT_GPU in readme and NCCL_NOT_BUILT in readme
+    assert NCCL_NOT_BUILT in Path(dist.__file__).with_name("distributed_c10d.py").read_text()
+    assert dist.is_gloo_available()
+    if not dist.is_nccl_available():
+        pytest.skip("this PyTorch has no NCCL: it says so with the second message")
+    program = ("import torch.distributed as dist; "
+               "dist.init_process_group('nccl', init_method='tcp://127.0.0.1:PORT', rank=0, world_size=1)")
+    result = run([sys.executable, "-c", program.replace("PORT", str(free_port()))], timeout=120, check=False)
+    assert result.returncode != 0 and NCCL_WITHOUT_GPU in result.stderr, result.stderr  # tests see no GPU
+
+
+def test_lightning_2_has_the_hooks_the_readme_names():
+    lightning = pytest.importorskip("lightning", reason="07_lightning.py needs lightning (requirements.txt)")
+    from lightning.pytorch.strategies import StrategyRegistry
+    assert issubclass(lightning.LightningModule, torch.nn.Module)  # a subclass, not a superclass
+    module = lightning.LightningModule
+    assert all(hasattr(module, hook) for hook in ["training_step", "configure_optimizers", "train_dataloader",
+                                                  "validation_step", "on_validation_epoch_end", "log"])
+    assert not any(hasattr(module, hook) for hook in ["tng_dataloader", "configure_optimizer", "validation_end",
+                                                      "update_tng_log_metrics"])
+    strategies = StrategyRegistry.available_strategies()
+    assert "ddp" in strategies and "ddp_spawn" in strategies and "dp" not in strategies
 
 
 def test_pitfall_distributed_sampler_pads_the_test_set():
