@@ -23,13 +23,14 @@ def lines(summary, column, scale):
 
 def draw(path, summary, column, title, ylabel, hardware, xlabel, bars=False, scale=1, ideal=None, empty=""):
     table = lines(summary, column, scale)
+    colors = "tab20" if table.shape[1] > 10 else None  # the default cycle repeats after 10 lines
     fig, ax = plt.subplots(figsize=(8, 5))
     if table.empty:
         ax.text(0.5, 0.5, empty, transform=ax.transAxes, ha="center", color="0.4")
     elif bars:  # accuracy and time to target at each n are not lines
-        table.plot.bar(ax=ax, rot=0, width=0.8)
+        table.plot.bar(ax=ax, rot=0, width=0.8, colormap=colors)
     else:
-        table.plot(ax=ax, marker="o", xticks=table.index)
+        table.plot(ax=ax, marker="o", xticks=table.index, colormap=colors)
         for label, y in (ideal or {}).items():
             ax.plot(table.index, [y(n) for n in table.index], "k--", alpha=0.6, label=label)
     ax.set(title=f"{title}\n{hardware}", xlabel=xlabel, ylabel=ylabel, ylim=(0, None))

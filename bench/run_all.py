@@ -193,16 +193,16 @@ def main(argv=None):
 
     os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
     os.makedirs(os.path.join(out_dir, "metrics"), exist_ok=True)
-    env = dict(machine.environment(REPO, gpus), python=sys.executable, harness_command=command,
-               hardware=machine.hardware_label([n for _, n in gpus], settings.max_n), settings=settings.comparable())
-    # A resumed sweep keeps the figures measured when it started: the same machine, and seconds saved.
-    earlier = read_json(os.path.join(out_dir, "env.json"), {}) if args.resume else {}
-    env["loader"] = earlier.get("loader") or runner.loader_figure(settings, out_dir)
-    env["allreduce"] = earlier.get("allreduce") or runner.allreduce_figures(settings, out_dir)
-    write_json(os.path.join(out_dir, "env.json"), env)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # killed, it stops its runs as after Ctrl-C
-    print(f"benchmarking on {env['hardware']} -> {out_dir}", flush=True)
     try:
+        env = dict(machine.environment(REPO, gpus), python=sys.executable, harness_command=command,
+                   hardware=machine.hardware_label([n for _, n in gpus], settings.max_n), settings=settings.comparable())
+        print(f"benchmarking on {env['hardware']} -> {out_dir}", flush=True)
+        # A resumed sweep keeps the figures measured when it started: the same machine, and seconds saved.
+        earlier = read_json(os.path.join(out_dir, "env.json"), {}) if args.resume else {}
+        env["loader"] = earlier.get("loader") or runner.loader_figure(settings, out_dir)
+        env["allreduce"] = earlier.get("allreduce") or runner.allreduce_figures(settings, out_dir)
+        write_json(os.path.join(out_dir, "env.json"), env)
         runner.write_runs(out_dir, runner.run_plan(runs, done, settings, out_dir))
         from bench import plots, report  # seconds to import: not before the arguments are checked
         frame = report.read_runs(out_dir)
