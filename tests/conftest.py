@@ -8,7 +8,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the bench package, from the repository root
-from bench.fake_mnist import write_fake_mnist  # noqa: E402  (shared with bench/measure/classic_vs_ours.py)
+from bench.fake_mnist import write_fake_mnist  # noqa: E402  (a learnable MNIST in torchvision's raw layout)
 from bench.machine import free_port  # noqa: E402,F401  (the harness's, for the tests' own jobs)
 from bench.scripts import load_script  # noqa: E402,F401  (a numbered script as a module, to call its functions)
 
