@@ -112,9 +112,9 @@ def gpu_ids(args, cuda):
 def setup(args):
     """The one place that decides the device (in the DDP scripts: rank and world size too)."""
     cuda = torch.cuda.is_available() and not args.cpu
+    devices = [torch.device("cuda", i) for i in gpu_ids(args, cuda)] or [torch.device("cpu")]
     if not cuda:
         print("DataParallel has nothing to split on the CPU: one replica", file=sys.stderr)
-    devices = [torch.device("cuda", i) for i in gpu_ids(args, cuda)] or [torch.device("cpu")]
     threads = args.threads or len(os.sched_getaffinity(0))  # one process: all its cores
     torch.set_num_threads(threads)
     return dict(rank=0, world_size=len(devices), nodes=1, backend=None, master=True,

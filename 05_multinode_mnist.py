@@ -2,9 +2,9 @@
 
     python 05_multinode_mnist.py -n 2 -g 4 --nr 0 --master-addr HOST --master-port PORT   # node 0
     python 05_multinode_mnist.py -n 2 -g 4 --nr 1 --master-addr HOST --master-port PORT   # node 1
-    python 05_multinode_mnist.py -n 2 -g 1 --nr 0 --cpu --synthetic &   # try it: 2 "nodes" on
-    python 05_multinode_mnist.py -n 2 -g 1 --nr 1 --cpu --synthetic     # one host (on GPUs, give
-                                           # each "node" GPUs of its own with CUDA_VISIBLE_DEVICES)
+    python 05_multinode_mnist.py -n 2 -g 1 --nr 0 --cpu --threads 1 --synthetic &  # try it: 2
+    python 05_multinode_mnist.py -n 2 -g 1 --nr 1 --cpu --threads 1 --synthetic    # "nodes" on one
+    # host, sharing its cores (on GPUs: give each "node" its own with CUDA_VISIBLE_DEVICES)
 -g processes on each node, one per GPU; global rank = node rank x g + local rank. HOST is node 0's
 address and PORT must be open there. Under SLURM, slurm/multinode.sbatch passes these flags.
 """

@@ -349,7 +349,7 @@ def run(args, ctx):
     first_epoch, start_step = resume(args.snapshot, ctx, net, optimizer, scheduler)
     if first_epoch > args.epochs:
         if ctx["master"]:
-            print(f"{args.snapshot} has all {args.epochs} epochs: nothing to train", file=sys.stderr)
+            print(f"{args.snapshot} has all {args.epochs} epochs: nothing to do", file=sys.stderr)
         return
     epochs = []
     for epoch in range(first_epoch, args.epochs + 1):

@@ -15,7 +15,9 @@ import torch
 
 from conftest import ROOT, TORCHRUN, free_port, run, run_two_nodes, script_command, start
 
-TRAIN = ["--epochs", 2, "--batch-size", 32, "--log-interval", 0, "--snapshot-every", 8]
+# One thread per process everywhere: two "nodes" on one host would otherwise take two each, and a different
+# number of threads sums in a different order (equal weights, not bitwise equal).
+TRAIN = ["--epochs", 2, "--batch-size", 32, "--log-interval", 0, "--snapshot-every", 8, "--threads", 1]
 
 
 def children(pid):
@@ -82,7 +84,7 @@ def test_resuming_at_an_epoch_end_and_with_nothing_left(uninterrupted, quick_mni
     assert_same_training(out, uninterrupted)
     before = (out / "metrics.json").read_bytes()
     result = run(torchrun_06(out, quick_mnist_dir))
-    assert "nothing to train" in result.stderr and (out / "metrics.json").read_bytes() == before
+    assert "nothing to do" in result.stderr and (out / "metrics.json").read_bytes() == before
 
 
 def test_a_kill_during_a_save_leaves_the_last_snapshot_loadable(quick_mnist_dir, tmp_path):
@@ -119,7 +121,7 @@ def test_a_killed_rank_ends_the_job_quickly_and_says_why(launch, quick_mnist_dir
         job.kill()
     assert job.returncode != 0 and time.monotonic() - killed < 30
     if launch == "spawn":  # ours to word; torchrun adds its own report, traceback included
-        assert "Traceback" not in stderr and "killed by SIGKILL" in stderr, stderr
+        assert "Traceback" not in stderr and "process 1: SIGKILL, killed from outside" in stderr, stderr
     else:
         assert "SIGKILL" in stderr, stderr
 
@@ -190,22 +192,23 @@ def test_multinode_runs_between_two_hosts_like_on_loopback(two_hosts, quick_mnis
 
 
 def test_the_slowest_rank_sets_the_clock(quick_mnist_dir, tmp_path):
-    """Rank 0 is stopped for 3 s between epochs: rank 1 waits for it in epoch 2, and the record says so."""
+    """Rank 0 is stopped for 6 s between epochs: rank 1 waits for it in epoch 2, and the record says so."""
     job = start(script_command("04_ddp_spawn.py", "--data-dir", quick_mnist_dir, "--nprocs", 2, "--epochs", 2,
-                               "--max-steps", 4, "--log-interval", 0, "--master-port", free_port(),
+                               "--max-steps", 2, "--log-interval", 0, "--master-port", free_port(),
                                "--metrics-json", tmp_path / "m.json"))
     try:
         wait_for(lambda: job.stdout.readline().startswith("epoch 1:"), timeout=120)
-        rank0 = min(children(job.pid))  # mp.spawn starts rank 0 first
+        spawned = [pid for pid in children(job.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        rank0 = min(spawned)  # mp.spawn starts rank 0 first (its resource tracker is no rank)
         os.kill(rank0, signal.SIGSTOP)
-        time.sleep(3)
+        time.sleep(6)
         os.kill(rank0, signal.SIGCONT)
         _, stderr = job.communicate(timeout=120)
     finally:
         job.kill()
     assert job.returncode == 0, stderr
     epoch2 = json.loads((tmp_path / "m.json").read_text())["epochs_detail"][1]
-    assert epoch2["train_time_s"] >= 3 and epoch2["steady_time_s"] >= 3
+    assert epoch2["train_time_s"] >= 5 and epoch2["steady_time_s"] >= 5  # rank 0's own clock: well under 1 s
 
 
 def test_an_interrupted_metrics_write_leaves_the_old_file_whole(quick_mnist_dir, tmp_path):

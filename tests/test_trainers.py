@@ -11,7 +11,7 @@ import torch.distributed as dist
 from conftest import (NO_NETWORK, QUICK_TEST_IMAGES, ROOT, SCRIPTS, TEST_IMAGES, TORCHRUN, free_port, load_script,
                       run, run_two_nodes, script_command)
 
-# Every key of the metrics record in the design contract (shared/DESIGN.md; the README lists them too).
+# Every key of the metrics record in the design contract (shared/DESIGN.md; docs/benchmark.md lists them too).
 RECORD_KEYS = {"schema", "script", "mode", "device_type", "device_names", "world_size", "nodes", "backend",
                "per_device_batch", "global_batch", "lr", "epochs", "steps", "train_samples", "samples_per_s",
                "epochs_detail", "test_accuracy", "test_loss", "peak_memory_bytes", "synthetic", "torch_version", "argv"}
