@@ -88,7 +88,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=0, help="steps per epoch at most (0: all)")
     p.add_argument("--log-interval", type=int, default=100, help="steps between lines (0: none)")
-    p.add_argument("--cpu", action="store_true", help="ignore GPUs (--accelerator cpu)")
+    p.add_argument("--cpu", action="store_true", help="ignore GPUs")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: cores / processes)")
     p.add_argument("--no-dropout", action="store_true", help="for exact comparisons of modes")
     p.add_argument("--amp", action="store_true", help="train in bfloat16 autocast")
@@ -97,8 +97,8 @@ def parse_args(argv=None):
     p.add_argument("--metrics-json", metavar="PATH", help="write the run's metrics record here")
     p.add_argument("--devices", type=int, default=1, help="processes per node (GPUs or CPU shares)")
     p.add_argument("--num-nodes", type=int, default=1, help="machines, --devices processes on each")
-    p.add_argument("--strategy", default="auto", help=" or ".join(STRATEGIES))
-    p.add_argument("--accelerator", default="auto", help=" or ".join(ACCELERATORS))
+    p.add_argument("--strategy", default="auto", help="auto, ddp or ddp_spawn")
+    p.add_argument("--accelerator", default="auto", help="auto, cpu (as --cpu) or gpu")
     return p.parse_args(argv)
 
 
@@ -118,7 +118,7 @@ def check_args(args):
             fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
     if not 0 <= args.seed < 2**32:
         fail(f"--seed must be in 0..2**32-1, got {args.seed}")
-    for path in (args.metrics_json, args.save_model):  # each is written beside, then renamed
+    for path in (args.metrics_json, args.save_model):  # written beside, then renamed
         folder = os.path.dirname(os.path.abspath(path or "."))
         if path and (os.path.isdir(path) or not os.access(folder, os.W_OK)):
             fail(f"cannot write {path}: its folder does not exist or is not writable")
@@ -422,6 +422,8 @@ def main(argv=None):
         use_distributed_sampler=False,  # our samplers: 01's order, and no padded test images
         callbacks=[Metrics(args)], num_sanity_val_steps=0, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    # Each step of several processes costs one collective more than 03's: Lightning 2.6 broadcasts
+    # rank 0's SIGTERM flag (on GPUs, waiting for it): Lightning-AI/pytorch-lightning#21487.
     try:
         trainer.fit(module)
     except RuntimeError as e:  # a peer died: one line; other errors keep their traceback
