@@ -10,7 +10,7 @@ from bench.scripts import REPO, SCRIPTS
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
-def for_scripts(path):
+def repo_relative(path):
     """Paths inside the repository relative to it (the scripts run there), as a user would type them."""
     path = os.path.abspath(path)
     return os.path.relpath(path, REPO) if os.path.commonpath([path, REPO]) == REPO else path
@@ -28,7 +28,7 @@ def commands(run, settings, metrics_path, snapshot_path):
     B, n, script, python = run.batch, run.n, SCRIPTS[run.mode], [sys.executable, SCRIPTS[run.mode]]
     batch = n * B if run.mode == "dp" else B  # one process drives 02's n GPUs: its loader yields n x B
     common = ["--batch-size", batch, "--epochs", settings.epochs, "--test-batch-size", settings.test_batch_size,
-              "--seed", settings.seed + run.repeat - 1, "--metrics-json", for_scripts(metrics_path)]
+              "--seed", settings.seed + run.repeat - 1, "--metrics-json", repo_relative(metrics_path)]
     common += ["--max-steps", settings.max_steps] if settings.max_steps else []
     common += ["--synthetic"] if settings.synthetic else ["--data-dir", settings.data_dir]
     # On the CPU the n processes share the host's cores; the scripts' own rule counts processes per node,
@@ -38,7 +38,7 @@ def commands(run, settings, metrics_path, snapshot_path):
     torchrun = TORCHRUN + ["--standalone", "--nproc_per_node", n, script]
     accelerator = "cpu" if settings.cpu else "gpu"
     argv = {"single": python, "dp": python + ([] if settings.cpu else ["--gpus", ",".join(map(str, range(n)))]),
-            "ddp_launch": torchrun, "ddp_fault_tolerant": torchrun + ["--snapshot", for_scripts(snapshot_path)],
+            "ddp_launch": torchrun, "ddp_fault_tolerant": torchrun + ["--snapshot", repo_relative(snapshot_path)],
             "ddp_spawn": python + ["--nprocs", n, "--master-port", free_port()],
             "lightning": python + ["--devices", n, "--strategy", "ddp", "--accelerator", accelerator]}
     if run.mode != "ddp_multinode":
@@ -48,7 +48,7 @@ def commands(run, settings, metrics_path, snapshot_path):
         "-n", 2, "-g", half, "--nr", r, "--master-addr", "127.0.0.1", "--master-port", port] + common]) for r in (0, 1)]
 
 
-def shown(cmds, cpu):
+def as_typed(cmds, cpu):
     """As a user types them: python for this interpreter, torchrun; 05's two nodes at once, hence '&'."""
     def one(env, argv):
         text = shlex.join(argv).replace(shlex.join(TORCHRUN), "torchrun").replace(shlex.quote(sys.executable), "python")

@@ -55,7 +55,7 @@ def device_counts(max_n):
     return sorted({1, max_n} | {2 ** k for k in range(1, max_n.bit_length()) if 2 ** k < max_n})
 
 
-def unavailable(mode):
+def unavailable_reason(mode):
     """Why a mode cannot run in this checkout and interpreter at all (None when it can)."""
     if not os.path.exists(os.path.join(REPO, SCRIPTS[mode])):
         return "not in this checkout"
@@ -77,11 +77,11 @@ def skip_reason(mode, n, cpu):
 
 def plan(settings, modes, variants, repeats):
     """(every run in order, what is left out and why); repeats outermost: a stopped sweep has whole repeats."""
-    runnable = [m for m in modes if not unavailable(m)]
+    runnable = [m for m in modes if not unavailable_reason(m)]
     runs = [Run(name, tuple(flags), mode, n, batch, r)
             for r in range(1, repeats + 1) for name, flags in variants for batch in settings.batches
             for n in device_counts(settings.max_n) for mode in runnable if not skip_reason(mode, n, settings.cpu)]
-    left_out = [f"{SCRIPTS[m]} ({unavailable(m)})" for m in modes if m not in runnable]
+    left_out = [f"{SCRIPTS[m]} ({unavailable_reason(m)})" for m in modes if m not in runnable]
     left_out += [f"{SCRIPTS[m]} at n = {n} ({skip_reason(m, n, settings.cpu)})" for n in device_counts(settings.max_n)
                  for m in runnable if skip_reason(m, n, settings.cpu)]
     return runs, left_out

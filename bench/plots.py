@@ -6,7 +6,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: works on machines without a display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bench.files import write_atomically  # noqa: E402
+from bench.outputs import write_atomically  # noqa: E402
 from bench.scripts import SCRIPTS  # noqa: E402
 
 

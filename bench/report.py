@@ -4,7 +4,7 @@ import os
 
 import pandas as pd
 
-from bench.files import write_atomically, write_text
+from bench.outputs import write_atomically, write_text
 from bench.scripts import MODES
 
 KEYS = ["variant", "batch", "mode", "n"]
@@ -65,8 +65,8 @@ def versus(summary, chosen, reference, on):
 
 def allreduce_seconds(env):
     """{n: seconds of one all-reduce of the model's gradient} from env.json (failed ones left out)."""
-    figures = env.get("allreduce") or {}
-    return {int(n): f["gradient_row"]["time_us"] * 1e-6 for n, f in figures.items() if f.get("gradient_row")}
+    results = env.get("allreduce") or {}
+    return {int(n): r["gradient_row"]["time_us"] * 1e-6 for n, r in results.items() if r.get("gradient_row")}
 
 
 def limit_model(summary, allreduce_s):

@@ -20,9 +20,9 @@ import sys
 if not __package__:  # `python bench/run_all.py`: the package is importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import machine, plan, runner  # noqa: E402
-from bench.commands import commands, for_scripts, shown  # noqa: E402
+from bench.commands import as_typed, commands, repo_relative  # noqa: E402
 from bench.fake_mnist import missing_mnist_files  # noqa: E402
-from bench.files import read_json, write_json  # noqa: E402
+from bench.outputs import read_json, write_json  # noqa: E402
 from bench.scripts import MODES, REPO, SCRIPTS  # noqa: E402
 
 DEFAULTS = dict(gpu=dict(epochs=3, max_steps=0), cpu=dict(epochs=1, max_steps=150, processes=2))
@@ -159,7 +159,7 @@ def print_plan(runs, done, settings, left_out):
     print(f"{len(runs)} runs planned, {len(runs) - len(todo)} already done (--resume), {len(todo)} to do; "
           f"roughly {minutes:.0f} min (a guess before anything ran)", flush=True)
     for run in todo:
-        print(f"  {run.run_id}: {shown(commands(run, settings, 'metrics.json', 'snapshot.pt'), settings.cpu)}")
+        print(f"  {run.run_id}: {as_typed(commands(run, settings, 'metrics.json', 'snapshot.pt'), settings.cpu)}")
     print("".join(f"  left out: {line}\n" for line in left_out), end="")
 
 
@@ -174,7 +174,7 @@ def main(argv=None):
             gpus=[i for i, _ in gpus], max_n=len(gpus) or args.cpu or defaults["processes"], batches=args.per_gpu_batch,
             epochs=args.epochs or defaults["epochs"], test_batch_size=args.test_batch_size,
             max_steps=defaults["max_steps"] if args.max_steps is None else args.max_steps, seed=args.seed,
-            synthetic=args.synthetic, data_dir=for_scripts(args.data_dir), target_acc=args.target_acc,
+            synthetic=args.synthetic, data_dir=repo_relative(args.data_dir), target_acc=args.target_acc,
             timeout=args.timeout, cores=machine.cpu_cores())
         runs, left_out = plan.plan(settings, args.modes, [("base", [])] + args.variants, args.repeats)
         if not runs:
@@ -195,13 +195,14 @@ def main(argv=None):
     os.makedirs(os.path.join(out_dir, "metrics"), exist_ok=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # killed, it stops its runs as after Ctrl-C
     try:
-        env = dict(machine.environment(REPO, gpus), python=sys.executable, harness_command=command,
-                   hardware=machine.hardware_label([n for _, n in gpus], settings.max_n), settings=settings.comparable())
+        hardware = machine.hardware_label([n for _, n in gpus], settings.max_n)
+        env = dict(machine.environment(REPO, gpus), python=sys.executable, harness_command=command, hardware=hardware,
+                   settings=settings.comparable())
         print(f"benchmarking on {env['hardware']} -> {out_dir}", flush=True)
-        # A resumed sweep keeps the figures measured when it started: the same machine, and seconds saved.
+        # A resumed sweep keeps what was measured when it started: the same machine, and seconds saved.
         earlier = read_json(os.path.join(out_dir, "env.json"), {}) if args.resume else {}
-        env["loader"] = earlier.get("loader") or runner.loader_figure(settings, out_dir)
-        env["allreduce"] = earlier.get("allreduce") or runner.allreduce_figures(settings, out_dir)
+        env["loader"] = earlier.get("loader") or runner.measure_loader(settings, out_dir)
+        env["allreduce"] = earlier.get("allreduce") or runner.measure_allreduce(settings, out_dir)
         write_json(os.path.join(out_dir, "env.json"), env)
         runner.write_runs(out_dir, runner.run_plan(runs, done, settings, out_dir))
         from bench import plots, report  # seconds to import: not before the arguments are checked

@@ -2,6 +2,7 @@
 sweep), and bench/measure/'s. Each in a process group of its own: a timeout or Ctrl-C stops all it spawned."""
 import contextlib
 import csv
+import dataclasses
 import itertools
 import math
 import os
@@ -14,8 +15,8 @@ import sys
 import time
 from datetime import datetime, timedelta, timezone
 
-from bench.commands import commands, shown, visible
-from bench.files import read_json, write_atomically
+from bench.commands import as_typed, commands, visible
+from bench.outputs import read_json, write_atomically
 from bench.plan import device_counts
 from bench.scripts import REPO
 
@@ -84,7 +85,7 @@ def status(code, timed_out, record, settings):
         return "failed", f"exit code {code}"
     if record is None:
         return "failed", "exited 0 but wrote no readable metrics record"
-    if not settings.cpu and record.get("device_type") != "cuda":  # a GPU sweep's row must be a GPU's figure
+    if not settings.cpu and record.get("device_type") != "cuda":  # a GPU sweep's row must be a GPU's result
         return "failed", f"trained on {record.get('device_type')}, not on a GPU: can {sys.executable} use CUDA?"
     return "ok", ""
 
@@ -105,11 +106,10 @@ def run_one(run, settings, out_dir):
     record = read_json(metrics)
     state, error = status(code, timed_out, record, settings)
     argv = cmds[0][1]
-    row = dict(run_id=run.run_id, variant=run.variant, mode=run.mode, n=run.n, batch=run.batch, repeat=run.repeat,
-               status=state, exit_code=code, error=error, loader_batch=argv[argv.index("--batch-size") + 1],
-               wall_s=wall, started_at=started, command=shown(cmds, settings.cpu), target_accuracy=settings.target_acc,
-               log_path=os.path.relpath(logs[0], out_dir), metrics_path=os.path.relpath(metrics, out_dir),
-               log_tail=log_tail(logs) if state != "ok" else None)
+    row = dict(dataclasses.asdict(run), run_id=run.run_id, status=state, exit_code=code, error=error, wall_s=wall,
+               started_at=started, target_accuracy=settings.target_acc, command=as_typed(cmds, settings.cpu),
+               loader_batch=argv[argv.index("--batch-size") + 1], log_path=os.path.relpath(logs[0], out_dir),
+               metrics_path=os.path.relpath(metrics, out_dir), log_tail=log_tail(logs) if state != "ok" else None)
     if record is not None:
         row.update({k: record.get(k) for k in RECORD_COLUMNS})
         row["time_to_target_s"] = None if record.get("synthetic") else time_to_target(record, settings.target_acc)
@@ -151,10 +151,10 @@ def run_plan(runs, done, settings, out_dir):
     return rows()
 
 
-def measure(tool, args, out_dir, name, gpus):
+def run_tool(tool, args, out_dir, name, gpus):
     """A tool of bench/measure/ as its own process (the harness never initialises CUDA): its JSON or {'error'}."""
     path, log = os.path.join(out_dir, f"{name}.json"), os.path.join(out_dir, "logs", f"{name}.log")
-    pathlib.Path(path).unlink(missing_ok=True)  # never report an earlier sweep's figure
+    pathlib.Path(path).unlink(missing_ok=True)  # never report an earlier sweep's result
     argv = [sys.executable, "-m", f"bench.measure.{tool}", *map(str, args), "--json", path]
     code, timed_out = run_processes([(visible(gpus), argv)], [log], MEASURE_TIMEOUT_S)
     if timed_out or code != 0:
@@ -163,20 +163,20 @@ def measure(tool, args, out_dir, name, gpus):
     return read_json(path) or {"error": f"no result in {path}"}
 
 
-def loader_figure(settings, out_dir):
+def measure_loader(settings, out_dir):
     """The input pipeline alone, with the sweep's data, first batch and first device."""
     args = ["--batch-size", settings.batches[0], "--passes", 3] + ["--cpu"] * settings.cpu
     args += ["--synthetic"] if settings.synthetic else ["--data-dir", settings.data_dir]
-    return measure("loader_speed", args, out_dir, "loader_speed", settings.gpus[:1])
+    return run_tool("loader_speed", args, out_dir, "loader_speed", settings.gpus[:1])
 
 
-def allreduce_figures(settings, out_dir):
+def measure_allreduce(settings, out_dir):
     """{n: all-reduce of the model's gradient} for every n >= 2, with the sweep's backend and devices."""
-    figures = {}
+    results = {}
     for n in [n for n in device_counts(settings.max_n) if n >= 2]:
         args = ["--nprocs", n, "--min-bytes", 4096, "--max-bytes", 4096, "--warmup", 3, "--iters", 10,
                 "--no-env"] + ["--cpu"] * settings.cpu  # a few seconds each
-        figures[n] = measure("allreduce", args, out_dir, f"allreduce-n{n}", settings.gpus[:n])
-        time_us = (figures[n].get("gradient_row") or {}).get("time_us", math.nan)
-        print(f"all-reduce of the gradient at n={n}: {time_us / 1e3:.2f} ms {figures[n].get('error', '')}", flush=True)
-    return figures
+        results[n] = run_tool("allreduce", args, out_dir, f"allreduce-n{n}", settings.gpus[:n])
+        time_us = (results[n].get("gradient_row") or {}).get("time_us", math.nan)
+        print(f"all-reduce of the gradient at n={n}: {time_us / 1e3:.2f} ms {results[n].get('error', '')}", flush=True)
+    return results

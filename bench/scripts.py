@@ -1,9 +1,8 @@
-"""The numbered scripts: the mode each one trains with, where it is, and loading one as a module."""
+"""The numbered scripts by mode (as their metrics records name it), in reading order; loading one as a module."""
 import importlib.util
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# mode (as each script's metrics record names it) -> script, in the tutorial's reading order (and every table's).
 SCRIPTS = {"single": "01_single_gpu.py", "dp": "02_data_parallel.py", "ddp_launch": "03_ddp_launch.py",
            "ddp_spawn": "04_ddp_spawn.py", "ddp_multinode": "05_multinode_mnist.py",
            "ddp_fault_tolerant": "06_fault_tolerant.py", "lightning": "07_lightning.py"}

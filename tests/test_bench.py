@@ -14,14 +14,23 @@ from bench import plan, report, run_all, runner
 from bench.commands import commands
 from bench.scripts import MODES
 
-AVAILABLE = [m for m in MODES if not plan.unavailable(m)]  # 06 and 07 while they are being written
+AVAILABLE = [m for m in MODES if not plan.unavailable_reason(m)]  # 06 and 07 while they are being written
 B = 16  # a small per-GPU batch and 6 steps (> the scripts' 5 warm-up steps): quick runs on a busy CPU
 TINY = ["--max-steps", "6", "--per-gpu-batch", B, "--test-batch-size", "1000"]
 
 
 def harness(*args, env=None, timeout=600):
-    return subprocess.run([sys.executable, "bench/run_all.py", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    """The harness as a user starts it. Past the timeout it gets SIGTERM, as from a user's kill: it then
+    stops its runs (started in sessions of their own, a SIGKILL of the harness would leave them running)."""
+    with subprocess.Popen([sys.executable, "bench/run_all.py", *map(str, args)], cwd=ROOT, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})}) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            proc.communicate(timeout=60)
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def read_runs(out):
@@ -232,7 +241,7 @@ def full_sweep(tmp_path_factory, quick_mnist_dir, fake_machine):
     (hooks / "sitecustomize.py").write_text(FAIL_01)
     args = ["--cpu", "2", "--data-dir", quick_mnist_dir, *TINY, "--out", out]
     env = {**fake_machine, "PYTHONPATH": str(hooks)}
-    first = harness(*args, env={**env, "BENCH_TEST_FAIL_01": "1"})
+    first = harness(*args, env={**env, "BENCH_TEST_FAIL_01": "1"}, timeout=1500)  # 11 runs: minutes on a busy CPU
     first_runs = read_runs(out)
     second = harness(*args, "--resume", env=env)
     return first, first_runs, second, out

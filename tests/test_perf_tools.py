@@ -27,16 +27,16 @@ def test_loader_speed_reports_the_loader_alone_over_whole_epochs(tmp_path):
     assert "loader alone:" in out.stdout
 
 
-def test_harness_records_the_loader_figure_and_report_divides_it_by_01s_throughput(tmp_path):
-    # A large batch: few batches per epoch keep this test quick; the figure's meaning is the same.
+def test_harness_measures_the_loader_alone_and_report_divides_it_by_01s_throughput(tmp_path):
+    # A large batch: few batches per epoch keep this test quick; the measurement means the same.
     settings = plan.Settings(gpus=[], max_n=1, batches=[1000], epochs=1, max_steps=8, test_batch_size=1000,
                              seed=1, synthetic=True, data_dir="data", target_acc=0.98, timeout=60, cores=2)
     (tmp_path / "logs").mkdir()
-    figure = runner.loader_figure(settings, str(tmp_path))
-    assert figure["loader_samples_per_s"] > 0 and figure["batch_size"] == 1000, figure
-    train = figure["loader_samples_per_s"] / 100
+    loader = runner.measure_loader(settings, str(tmp_path))
+    assert loader["loader_samples_per_s"] > 0 and loader["batch_size"] == 1000, loader
+    train = loader["loader_samples_per_s"] / 100
     summary = pd.DataFrame([dict(variant="base", batch=1000, mode="single", n=1, samples_per_s=train)])
-    assert "= 100 x 01's " in report.loader_line(dict(loader=figure), summary)
+    assert "= 100 x 01's " in report.loader_line(dict(loader=loader), summary)
     assert "not measured (boom)" in report.loader_line(dict(loader={"error": "boom"}), summary)
 
 

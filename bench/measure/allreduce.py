@@ -14,7 +14,7 @@ import sys
 import time
 from datetime import timedelta
 
-from bench.files import json_path, write_json
+from bench.outputs import json_path, write_json
 from bench.machine import cpu_cores, environment, free_port
 from bench.scripts import REPO, load_script
 
@@ -84,7 +84,7 @@ def report(args, rows, backend, device, params):
     print(f"all-reduce (sum, fp32), {backend}, {args.nprocs} ranks on {device.type}; median of {args.iters} iterations"
           f" after {args.warmup} warm-up, slowest rank; the model's gradient is {params * FP32_BYTES:,} bytes")
     print(pd.DataFrame(rows).to_string(index=False, float_format="{:,.3f}".format), flush=True)
-    if args.json:  # the figures, then (unless --no-env) the environment they were measured in
+    if args.json:  # the results, then (unless --no-env) the environment they were measured in
         gradient_row = next(r for r in rows if r["gradient"])
         write_json(args.json, dict(backend=backend, world_size=args.nprocs, device_type=device.type, iters=args.iters,
                                    warmup=args.warmup, model_parameters=params, gradient_bytes=gradient_row["bytes"],

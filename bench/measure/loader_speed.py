@@ -12,7 +12,7 @@ import statistics
 import sys
 import time
 
-from bench.files import json_path, write_json
+from bench.outputs import json_path, write_json
 from bench.scripts import load_script
 
 REQUIRED_RATIO = 50  # loader samples/s over training samples/s
@@ -25,7 +25,7 @@ def parse_args(argv=None):
     p.add_argument("--cpu", action="store_true", help="ignore GPUs")
     p.add_argument("--batch-size", type=int, default=64, help="01's --batch-size (default 64)")
     p.add_argument("--passes", type=int, default=5, help="timed epochs; the median counts (default 5)")
-    p.add_argument("--json", type=json_path, metavar="PATH", help="write the figures here")
+    p.add_argument("--json", type=json_path, metavar="PATH", help="write the results here")
     return p.parse_args(argv)
 
 
