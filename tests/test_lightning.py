@@ -130,8 +130,10 @@ def test_evaluation_counts_every_test_image_once_at_world_size_3(mnist_dir, tmp_
 
 
 def test_one_device_evaluates_like_01(lightning_script, quick_mnist_dir, tmp_path):
-    """In this process (no process group: Lightning's single-device strategy), on the quick set."""
-    lightning_script.main([str(a) for a in train_args(quick_mnist_dir, tmp_path, "--max-steps", 2)])
+    """In this process (no process group: Lightning's single-device strategy), on the quick set;
+    on the CPU, like every test's subprocess (conftest.CPU_ONLY)."""
+    args = train_args(quick_mnist_dir, tmp_path, "--max-steps", 2, "--cpu")
+    lightning_script.main([str(a) for a in args])
     lit = outcome(SimpleNamespace(stdout="", stderr=""), tmp_path)
     assert (lit.record["world_size"], lit.record["backend"]) == (1, None)
     reference = evaluate_on_one_process(quick_mnist_dir, lit.weights)
@@ -181,7 +183,7 @@ def test_bad_input_fails_with_one_clear_line(case, lightning_script, quick_mnist
     metrics.write_text('{"earlier": "run"}')
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     argv = ["--data-dir", str(data_dir), "--metrics-json", str(metrics), "--max-steps", "2",
-            *[a.format(tmp=tmp_path) for a in args]]
+            "--cpu", *[a.format(tmp=tmp_path) for a in args]]
     with pytest.raises(SystemExit) as exited:
         lightning_script.main(argv)
     result = SimpleNamespace(returncode=exited.value.code, stderr=capsys.readouterr().err)
