@@ -194,3 +194,19 @@ def test_taking_a_batch_costs_under_2_percent_of_a_training_step(quick_mnist_dir
     train = single.train_epoch(net, data, sampler, torch.optim.Adadelta(net.parameters()), args, ctx, epoch=2)
     assert train["steps"] == 30
     assert sum(spent) <= 0.02 * train["train_time_s"], f"{sum(spent):.4f} s of {train['train_time_s']:.2f} s"
+
+
+def test_the_slowest_rank_sets_the_clock_and_the_sums_cover_every_rank(quick_mnist_dir, monkeypatch):
+    """03's train_epoch with a stand-in for the all-reduce: a second rank that trained as much, 5 s slower."""
+    ddp = load_script("03_ddp_launch.py")
+    args = ddp.parse_args(["--data-dir", str(quick_mnist_dir), "--log-interval", "0", "--max-steps", "3"])
+    ctx = dict(device=torch.device("cpu"), devices=[torch.device("cpu")], master=True)
+    monkeypatch.setattr(ddp, "all_ranks",
+                        lambda value, device, op=dist.ReduceOp.SUM: float(value) + 5 if op == dist.ReduceOp.MAX
+                        else 2 * float(value))
+    data = ddp.load_mnist(args, train=True)
+    sampler = ddp.DistributedSampler(range(len(data[1])), 2, 0, seed=1)
+    net = ddp.Net()
+    train = ddp.train_epoch(net, data, sampler, torch.optim.Adadelta(net.parameters()), args, ctx, epoch=1)
+    assert train["train_time_s"] >= 5 and train["steady_time_s"] >= 5
+    assert train["train_samples"] == 2 * 3 * args.batch_size
