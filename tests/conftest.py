@@ -91,3 +91,13 @@ def run_two_nodes(*args, gpus=1, timeout=180, env=None):
     finally:
         node1.kill()
     return node0
+
+
+def evaluate_on_one_process(mnist_dir, weights):
+    """What one process (01's code) makes of the given weights: the reference for distributed evaluations."""
+    single = load_script("01_single_gpu.py")
+    args = single.parse_args(["--data-dir", str(mnist_dir)])
+    test_data = single.load_mnist(args, train=False)
+    net = single.Net()
+    net.load_state_dict(weights)
+    return single.evaluate(net, test_data, range(len(test_data[1])), args, None)

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import (NO_NETWORK, QUICK_TEST_IMAGES, ROOT, TEST_IMAGES, load_script, run,
-                      script_command)
+from conftest import (NO_NETWORK, QUICK_TEST_IMAGES, ROOT, TEST_IMAGES, evaluate_on_one_process, load_script,
+                      run, script_command)
 from test_bad_input import assert_fails_clearly
 
 pytest.importorskip("lightning", reason="07_lightning.py needs lightning (requirements.txt)")
@@ -104,17 +104,6 @@ def test_output_is_01s_without_lightnings_noise(same_steps):
 @pytest.fixture(scope="module")
 def lightning_script():
     return load_script(SCRIPT)
-
-
-def evaluate_on_one_process(mnist_dir, weights):
-    """What a single process (01's code) makes of the same weights: the reference."""
-    single = load_script("01_single_gpu.py")
-    args = single.parse_args(["--data-dir", str(mnist_dir)])
-    test_data = single.load_mnist(args, train=False)
-    net = single.Net()
-    net.load_state_dict(weights)
-    ctx = dict(device=torch.device("cpu"), rank=0, world_size=1)
-    return single.evaluate(net, test_data, range(len(test_data[1])), args, ctx)
 
 
 def test_evaluation_counts_every_test_image_once_at_world_size_3(mnist_dir, tmp_path):

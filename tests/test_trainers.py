@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import (NO_NETWORK, QUICK_TEST_IMAGES, ROOT, SCRIPTS, TEST_IMAGES, TORCHRUN, free_port, load_script,
-                      run, run_two_nodes, script_command)
+from conftest import (NO_NETWORK, QUICK_TEST_IMAGES, ROOT, SCRIPTS, TEST_IMAGES, evaluate_on_one_process,
+                      free_port, load_script, run, run_two_nodes, script_command)
 
 # Every key of the metrics record in the design contract (shared/DESIGN.md; docs/benchmark.md lists them too).
 RECORD_KEYS = {"schema", "script", "mode", "device_type", "device_names", "world_size", "nodes", "backend",
@@ -96,17 +96,6 @@ def test_only_rank_zero_prints_epoch_lines(same_batch_runs):
         assert stdout.count("epoch 2 step 0/") == 1, f"{script}:\n{stdout}"
 
 
-def evaluate_on_one_process(mnist_dir, weights):
-    """What a single process makes of the same weights: the reference for the distributed evaluation."""
-    single = load_script("01_single_gpu.py")
-    args = single.parse_args(["--data-dir", str(mnist_dir)])
-    test_set = single.load_mnist(args, train=False)
-    net = single.Net()
-    net.load_state_dict(weights)
-    result = single.evaluate(net, test_set, range(len(test_set[1])), args, None)
-    return result["test_accuracy"], result["test_loss"], result["test_samples"]
-
-
 LAUNCHES = {  # world size: how 03 is started
     1: lambda args: script_command("03_ddp_launch.py", *args, nprocs=1),
     # The deprecated launcher, as 03's docstring shows it (--use-env: no --local-rank argument).
@@ -121,7 +110,8 @@ def test_evaluation_counts_every_test_image_once(world_size, mnist_dir, tmp_path
     result = run(LAUNCHES[world_size](train_args(mnist_dir, tmp_path, "--max-steps", 3, "--batch-size", B)))
     record = json.loads((tmp_path / "metrics.json").read_text())
     assert record["world_size"] == world_size
-    accuracy, loss, count = evaluate_on_one_process(mnist_dir, torch.load(tmp_path / "model.pt"))
+    reference = evaluate_on_one_process(mnist_dir, torch.load(tmp_path / "model.pt"))
+    accuracy, loss, count = reference["test_accuracy"], reference["test_loss"], reference["test_samples"]
     assert record["epochs_detail"][0]["test_samples"] == count == TEST_IMAGES
     assert record["test_accuracy"] == accuracy
     assert record["test_loss"] == pytest.approx(loss, rel=1e-6)
