@@ -60,6 +60,12 @@ def script_command(script, *args, nprocs=None, launcher=()):
     return [sys.executable, str(ROOT / script), *map(str, args)]
 
 
+def launcher_env(world_size=1):
+    """What torchrun sets for rank 0 of world_size processes, one per node: to start a DDP script by hand."""
+    return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
 # Tests see the CPU only, so that `pytest` checks the same behaviour on a GPU machine (tests marked gpu excepted).
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 

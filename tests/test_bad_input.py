@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import NO_NETWORK, free_port, run, script_command
+from conftest import NO_NETWORK, launcher_env, run, script_command
 
 
 def corrupt(name, how):
@@ -72,10 +72,8 @@ def test_bad_input_fails_with_one_clear_line(case, quick_mnist_dir, tmp_path):
     if "--metrics-json" not in args:
         args += ["--metrics-json", str(metrics)]
     # Started by hand as a launcher would start one process (torchrun adds its own report of a failure).
-    world_of_one = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(free_port()))
     result = run([sys.executable, script, "--data-dir", str(data_dir), "--max-steps", "2", *args], timeout=120,
-                 env={**NO_NETWORK, **world_of_one}, check=False)
+                 env={**NO_NETWORK, **launcher_env()}, check=False)
     assert_fails_clearly(result, expected)
     assert metrics.read_text() == '{"earlier": "run"}'
     assert all(p.read_bytes() == content for p, content in before.items()), "a file that was there changed"
@@ -93,8 +91,6 @@ def test_a_port_in_use_fails_with_one_clear_line(quick_mnist_dir):
 
 def test_a_peer_that_never_arrives_fails_within_the_timeout(quick_mnist_dir):
     """Rank 0 of two, started by hand as a launcher would: rank 1 never comes."""
-    world = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=str(free_port()))
     result = run([sys.executable, "06_fault_tolerant.py", "--data-dir", str(quick_mnist_dir), "--timeout", "5"],
-                 timeout=60, check=False, env=world)
+                 timeout=60, check=False, env=launcher_env(world_size=2))
     assert_fails_clearly(result, "could not join the others")

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import (NO_NETWORK, QUICK_TEST_IMAGES, ROOT, SCRIPTS, TEST_IMAGES, evaluate_on_one_process,
-                      free_port, load_script, run, run_two_nodes, script_command)
+                      launcher_env, load_script, run, run_two_nodes, script_command)
 
 # Every key of the metrics record in the design contract (shared/DESIGN.md; docs/benchmark.md lists them too).
 RECORD_KEYS = {"schema", "script", "mode", "device_type", "device_names", "world_size", "nodes", "backend",
@@ -141,9 +141,7 @@ def test_each_epoch_has_its_own_shuffle_and_the_group_is_destroyed(quick_mnist_d
         return real_batches(data, indices, batch_size)
 
     monkeypatch.setattr(module, "batches", recording_batches)
-    world_of_one = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(free_port()))
-    for key, value in world_of_one.items():
+    for key, value in launcher_env().items():
         monkeypatch.setenv(key, value)
     module.main(["--data-dir", str(quick_mnist_dir), "--epochs", "2", "--max-steps", "2", "--batch-size", "8",
                  "--log-interval", "0", "--cpu"])
