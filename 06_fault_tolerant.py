@@ -26,7 +26,6 @@ from torchvision import datasets
 
 MODE = "ddp_fault_tolerant"
 WARMUP_STEPS = 5  # left out of samples_per_s: first steps pay for allocation and kernel selection
-MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 POSITIVE = ["epochs", "batch_size", "test_batch_size", "lr", "timeout"]  # flags checked first
 NOT_NEGATIVE = ["max_steps", "log_interval", "threads", "snapshot_every"]
 
@@ -56,7 +55,14 @@ class Net(nn.Module):
         return self.fc2(x)
 
 
+def fail(message):
+    """Bad input ends the run with one line on stderr, never a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def parse_args(argv=None):
+    """The flags, every value checked before any work starts: a bad one must not cost a run."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data-dir", default="data", help="torchvision's MNIST (downloaded if missing)")
     p.add_argument("--synthetic", action="store_true", help="random MNIST-shaped data (throughput)")
@@ -70,24 +76,12 @@ def parse_args(argv=None):
     p.add_argument("--cpu", action="store_true", help="ignore GPUs")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: cores / processes)")
     p.add_argument("--no-dropout", action="store_true", help="for exact comparisons of modes")
-    p.add_argument("--amp", action="store_true", help="train in bfloat16 autocast")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--save-model", metavar="PATH", help="save the trained weights here")
     p.add_argument("--metrics-json", metavar="PATH", help="write the run's metrics record here")
     p.add_argument("--snapshot", metavar="PATH", help="saved each epoch; resumed from if it exists")
     p.add_argument("--snapshot-every", type=int, default=0, metavar="N", help="also every N steps")
     p.add_argument("--timeout", type=float, default=300, help="seconds to wait for the others")
-    return p.parse_args(argv)
-
-
-def fail(message):
-    """Bad input ends the run with one line on stderr, never a traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def check_args(args):
-    """Every value is checked before any work starts: a bad one must not cost a run."""
+    args = p.parse_args(argv)
     for name in POSITIVE + NOT_NEGATIVE:
         value = getattr(args, name)
         allowed = value > 0 if name in POSITIVE else value >= 0
@@ -96,10 +90,11 @@ def check_args(args):
             fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
     if not 0 <= args.seed < 2**32:
         fail(f"--seed must be in 0..2**32-1, got {args.seed}")
-    for path in (args.metrics_json, args.save_model, args.snapshot):  # written beside, renamed
+    for path in (args.metrics_json, args.save_model, args.snapshot):  # written into its folder
         folder = os.path.dirname(os.path.abspath(path or "."))
         if path and (os.path.isdir(path) or not os.access(folder, os.W_OK)):
             fail(f"cannot write {path}: its folder does not exist or is not writable")
+    return args
 
 
 def attempt_store(args, rank):
@@ -153,28 +148,23 @@ def load_mnist(args, train):
         fail(f"MNIST could not be loaded from {args.data_dir}/MNIST/raw ({type(e).__name__}: "
              f"{str(e)[:150]!r}); delete a corrupt file to download it again, or use --synthetic")
     images = mnist.data.unsqueeze(1).float() / 255
-    images = (images - MNIST_MEAN) / MNIST_STD
-    return images, mnist.targets
+    return (images - 0.1307) / 0.3081, mnist.targets  # MNIST's mean and standard deviation
 
 
 def batches(data, indices, batch_size):
     """Batches taken from tensors on the device, the indices copied there once an epoch: no step
-    waits for the host. (For data that does not fit in memory: DataLoader(dataset, batch_size,
-    sampler=sampler, pin_memory=True), each batch moved with .to(device, non_blocking=True).)"""
+    waits for the host. (Data too big for memory: a DataLoader, pin_memory, non_blocking copies.)"""
     images, labels = data
     index = torch.tensor(list(indices), device=images.device)
     for batch in index.split(batch_size):
         yield images[batch], labels[batch]
 
 
-def synchronize(device):
+def clock(device):
+    """Seconds, read once the device has done its work: GPU work is queued, not yet done."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def reset_peak_memory(device):
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    return time.perf_counter()
 
 
 def peak_memory_bytes(device):
@@ -238,25 +228,22 @@ def train_epoch(model, data, sampler, optimizer, args, ctx, epoch, start_step=0,
     """One epoch of this process's share of the data."""
     model.train()
     device = ctx["device"]
-    indices = list(sampler)
-    steps = len(indices) // args.batch_size  # the short last batch waits: one shape for every step
+    steps = len(sampler) // args.batch_size  # the short last batch waits: one shape for every step
     if args.max_steps:
         steps = min(steps, args.max_steps)
     warmup = min(start_step + WARMUP_STEPS, steps - 1) if epoch == 1 or start_step else 0
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for each_device in ctx["devices"]:
-        reset_peak_memory(each_device)  # the peak of training, not of loading the data
-    synchronize(device)
-    start = steady_start = time.perf_counter()
-    order = indices[start_step * args.batch_size:steps * args.batch_size]  # the rest of the epoch
+    for each_device in ctx["devices"]:  # the peak of training, not of loading the data
+        if each_device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(each_device)
+    start = steady_start = clock(device)
+    order = list(sampler)[start_step * args.batch_size:steps * args.batch_size]  # what is left
     for step, (images, labels) in enumerate(batches(data, order, args.batch_size), start_step):
         if step == warmup:
-            synchronize(device)  # GPU work is asynchronous: read the clock once it is done
-            steady_start = time.perf_counter()
+            steady_start = clock(device)
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
-            output = model(images)
-            loss = F.cross_entropy(output, labels)
+        output = model(images)
+        loss = F.cross_entropy(output, labels)
         loss.backward()
         optimizer.step()
         loss_sum += loss.detach() * len(labels)  # summed on the device: no waiting for the GPU
@@ -265,8 +252,7 @@ def train_epoch(model, data, sampler, optimizer, args, ctx, epoch, start_step=0,
         last = step + 1 == steps  # the end of an epoch is saved after its evaluation
         if save and args.snapshot_every and (step + 1) % args.snapshot_every == 0 and not last:
             save(epoch, step + 1)
-    synchronize(device)
-    end = time.perf_counter()
+    end = clock(device)
     loss_sum = all_ranks(loss_sum, device)  # totals over all ranks
     samples = int(all_ranks((steps - start_step) * args.batch_size, device))
     steady_samples = int(all_ranks((steps - warmup) * args.batch_size, device))
@@ -275,8 +261,7 @@ def train_epoch(model, data, sampler, optimizer, args, ctx, epoch, start_step=0,
     memory = [int(all_ranks(peak_memory_bytes(device), device, dist.ReduceOp.MAX))]
     return dict(steps=steps, train_samples=samples, steady_samples=steady_samples,
                 train_loss=loss_sum / samples, train_time_s=time_s, steady_time_s=steady_time_s,
-                peak_memory_bytes=max(memory), peak_memory_per_device=memory,
-                train_dtype=str(output.dtype))
+                peak_memory_bytes=max(memory), peak_memory_per_device=memory)
 
 
 @torch.no_grad()
@@ -294,24 +279,20 @@ def evaluate(net, data, indices, args, ctx):
 
 
 def metrics_record(args, ctx, epochs):
-    device, last = ctx["device"], epochs[-1]
+    """The run's record: DESIGN.md's keys, never renamed, and a few more."""
     steady_samples = sum(e["steady_samples"] for e in epochs)
     steady_time_s = sum(e["steady_time_s"] for e in epochs)
+    names = [torch.cuda.get_device_name(d) if d.type == "cuda" else "cpu" for d in ctx["devices"]]
     return dict(
-        schema=1, script=os.path.basename(__file__), mode=MODE, device_type=device.type,
-        device_names=[torch.cuda.get_device_name(d) if d.type == "cuda" else "cpu"
-                      for d in ctx["devices"]],
-        world_size=ctx["world_size"], nodes=ctx["nodes"], backend=ctx["backend"],
-        threads=ctx["threads"], per_device_batch=args.batch_size,
-        global_batch=args.batch_size * ctx["world_size"], lr=args.lr, epochs=len(epochs),
-        steps=sum(e["steps"] for e in epochs), epochs_detail=epochs,
-        train_samples=sum(e["train_samples"] for e in epochs),
-        samples_per_s=steady_samples / steady_time_s, steady_samples=steady_samples,
-        steady_time_s=steady_time_s, test_accuracy=last["test_accuracy"],
-        test_loss=last["test_loss"], peak_memory_bytes=max(e["peak_memory_bytes"] for e in epochs),
-        synthetic=args.synthetic,
-        amp=args.amp, train_dtype=last["train_dtype"],
-        compile=args.compile, torch_version=torch.__version__, argv=sys.argv)
+        schema=1, script=os.path.basename(__file__), mode=MODE, device_type=ctx["device"].type,
+        device_names=names, world_size=ctx["world_size"], nodes=ctx["nodes"], lr=args.lr,
+        backend=ctx["backend"], threads=ctx["threads"], epochs=len(epochs), argv=sys.argv,
+        per_device_batch=args.batch_size, global_batch=args.batch_size * ctx["world_size"],
+        train_samples=sum(e["train_samples"] for e in epochs), steady_samples=steady_samples,
+        steps=sum(e["steps"] for e in epochs), samples_per_s=steady_samples / steady_time_s,
+        steady_time_s=steady_time_s, epochs_detail=epochs, torch_version=torch.__version__,
+        test_accuracy=epochs[-1]["test_accuracy"], test_loss=epochs[-1]["test_loss"],
+        peak_memory_bytes=max(e["peak_memory_bytes"] for e in epochs), synthetic=args.synthetic)
 
 
 def write_json_atomically(path, record):
@@ -339,7 +320,6 @@ def run(args, ctx):
 
     net = Net(dropout=not args.no_dropout).to(device)
     model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
-    model = torch.compile(model) if args.compile else model
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
 
@@ -381,7 +361,6 @@ def run(args, ctx):
 
 def main(argv=None):
     args = parse_args(argv)
-    check_args(args)
     ctx = setup(args)
     try:
         run(args, ctx)

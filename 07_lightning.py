@@ -38,7 +38,6 @@ from torchvision import datasets
 
 MODE = "lightning"
 WARMUP_STEPS = 5  # left out of samples_per_s: first steps pay for allocation and kernel selection
-MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 POSITIVE = ["epochs", "batch_size", "test_batch_size", "lr", "devices", "num_nodes"]
 NOT_NEGATIVE = ["max_steps", "log_interval", "threads"]
 STRATEGIES = ["auto", "ddp", "ddp_spawn"]  # auto: one device alone, ddp for several
@@ -77,7 +76,14 @@ class Net(nn.Module):
         return self.fc2(x)
 
 
+def fail(message):
+    """Bad input ends the run with one line on stderr, never a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def parse_args(argv=None):
+    """The flags, every value checked before any work starts: a bad one must not cost a run."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data-dir", default="data", help="torchvision's MNIST (downloaded if missing)")
     p.add_argument("--synthetic", action="store_true", help="random MNIST-shaped data (throughput)")
@@ -91,25 +97,13 @@ def parse_args(argv=None):
     p.add_argument("--cpu", action="store_true", help="ignore GPUs")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: cores / processes)")
     p.add_argument("--no-dropout", action="store_true", help="for exact comparisons of modes")
-    p.add_argument("--amp", action="store_true", help="train in bfloat16 autocast")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--save-model", metavar="PATH", help="save the trained weights here")
     p.add_argument("--metrics-json", metavar="PATH", help="write the run's metrics record here")
     p.add_argument("--devices", type=int, default=1, help="processes per node (GPUs or CPU shares)")
     p.add_argument("--num-nodes", type=int, default=1, help="machines, --devices processes on each")
     p.add_argument("--strategy", default="auto", help="auto, ddp or ddp_spawn")
     p.add_argument("--accelerator", default="auto", help="auto, cpu (as --cpu) or gpu")
-    return p.parse_args(argv)
-
-
-def fail(message):
-    """Bad input ends the run with one line on stderr, never a traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def check_args(args):
-    """Every value is checked before any work starts: a bad one must not cost a run."""
+    args = p.parse_args(argv)
     for name in POSITIVE + NOT_NEGATIVE:
         value = getattr(args, name)
         allowed = value > 0 if name in POSITIVE else value >= 0
@@ -118,10 +112,11 @@ def check_args(args):
             fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
     if not 0 <= args.seed < 2**32:
         fail(f"--seed must be in 0..2**32-1, got {args.seed}")
-    for path in (args.metrics_json, args.save_model):  # written beside, then renamed
+    for path in (args.metrics_json, args.save_model):  # each written into its folder
         folder = os.path.dirname(os.path.abspath(path or "."))
         if path and (os.path.isdir(path) or not os.access(folder, os.W_OK)):
             fail(f"cannot write {path}: its folder does not exist or is not writable")
+    return args
 
 
 def check_launch(args):
@@ -180,14 +175,12 @@ def load_mnist(args, train):
         fail(f"MNIST could not be loaded from {args.data_dir}/MNIST/raw ({type(e).__name__}: "
              f"{str(e)[:150]!r}); delete a corrupt file to download it again, or use --synthetic")
     images = mnist.data.unsqueeze(1).float() / 255
-    images = (images - MNIST_MEAN) / MNIST_STD
-    return images, mnist.targets
+    return (images - 0.1307) / 0.3081, mnist.targets  # MNIST's mean and standard deviation
 
 
 def batches(data, indices, batch_size):
     """Batches taken from tensors on the device, the indices copied there once an epoch: no step
-    waits for the host. (For data that does not fit in memory: DataLoader(dataset, batch_size,
-    sampler=sampler, pin_memory=True), each batch moved with .to(device, non_blocking=True).)"""
+    waits for the host. (Data too big for memory: a DataLoader, pin_memory, non_blocking copies.)"""
     images, labels = data
     index = torch.tensor(list(indices), device=images.device)
     for batch in index.split(batch_size):
@@ -212,14 +205,11 @@ class Batches:
         yield from batches(self.data, order, self.batch_size)
 
 
-def synchronize(device):
+def clock(device):
+    """Seconds, read once the device has done its work: GPU work is queued, not yet done."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def reset_peak_memory(device):
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    return time.perf_counter()
 
 
 def peak_memory_bytes(device):
@@ -258,8 +248,6 @@ class MNISTModule(L.LightningModule):
         self.train_data = [t.to(device) for t in load_mnist(self.args, train=True)]
         self.test_data = [t.to(device) for t in load_mnist(self.args, train=False)]
         self.net = Net(dropout=not self.args.no_dropout)
-        if self.args.compile:
-            self.net.compile()  # in place: the same module and weights, a compiled forward
 
     def train_dataloader(self):
         # Our sampler, not Lightning's (Trainer(use_distributed_sampler=False)): Lightning's would
@@ -289,9 +277,8 @@ class MNISTModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         images, labels = batch  # already on the device
-        output = self.net(images)  # in bfloat16 autocast with --amp: Trainer(precision=...)
+        output = self.net(images)
         loss = F.cross_entropy(output, labels)
-        self.train_dtype = str(output.dtype)
         return loss  # Lightning calls backward and the optimizer's step
 
     def on_validation_epoch_start(self):
@@ -299,8 +286,7 @@ class MNISTModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         images, labels = batch  # Lightning has called eval() and turned off gradients
-        with torch.autocast(self.device.type, enabled=False):  # float32 as 01-05, even with --amp
-            output = self.net(images)
+        output = self.net(images)
         self.loss_sum += F.cross_entropy(output, labels, reduction="sum").item()
         self.correct += (output.argmax(dim=1) == labels).sum().item()
         self.count += len(labels)
@@ -315,24 +301,20 @@ class MNISTModule(L.LightningModule):
 
 
 def metrics_record(args, ctx, epochs):
-    device, last = ctx["device"], epochs[-1]
+    """The run's record: DESIGN.md's keys, never renamed, and a few more."""
     steady_samples = sum(e["steady_samples"] for e in epochs)
     steady_time_s = sum(e["steady_time_s"] for e in epochs)
+    names = [torch.cuda.get_device_name(d) if d.type == "cuda" else "cpu" for d in ctx["devices"]]
     return dict(
-        schema=1, script=os.path.basename(__file__), mode=MODE, device_type=device.type,
-        device_names=[torch.cuda.get_device_name(d) if d.type == "cuda" else "cpu"
-                      for d in ctx["devices"]],
-        world_size=ctx["world_size"], nodes=ctx["nodes"], backend=ctx["backend"],
-        threads=ctx["threads"], per_device_batch=args.batch_size,
-        global_batch=args.batch_size * ctx["world_size"], lr=args.lr, epochs=len(epochs),
-        steps=sum(e["steps"] for e in epochs), epochs_detail=epochs,
-        train_samples=sum(e["train_samples"] for e in epochs),
-        samples_per_s=steady_samples / steady_time_s, steady_samples=steady_samples,
-        steady_time_s=steady_time_s, test_accuracy=last["test_accuracy"],
-        test_loss=last["test_loss"], peak_memory_bytes=max(e["peak_memory_bytes"] for e in epochs),
-        synthetic=args.synthetic,
-        amp=args.amp, train_dtype=last["train_dtype"],
-        compile=args.compile, torch_version=torch.__version__, argv=sys.argv)
+        schema=1, script=os.path.basename(__file__), mode=MODE, device_type=ctx["device"].type,
+        device_names=names, world_size=ctx["world_size"], nodes=ctx["nodes"], lr=args.lr,
+        backend=ctx["backend"], threads=ctx["threads"], epochs=len(epochs), argv=sys.argv,
+        per_device_batch=args.batch_size, global_batch=args.batch_size * ctx["world_size"],
+        train_samples=sum(e["train_samples"] for e in epochs), steady_samples=steady_samples,
+        steps=sum(e["steps"] for e in epochs), samples_per_s=steady_samples / steady_time_s,
+        steady_time_s=steady_time_s, epochs_detail=epochs, torch_version=torch.__version__,
+        test_accuracy=epochs[-1]["test_accuracy"], test_loss=epochs[-1]["test_loss"],
+        peak_memory_bytes=max(e["peak_memory_bytes"] for e in epochs), synthetic=args.synthetic)
 
 
 def write_json_atomically(path, record):
@@ -353,14 +335,13 @@ class Metrics(L.Callback):
         self.warmup = min(WARMUP_STEPS, self.steps - 1) if trainer.current_epoch == 0 else 0
         self.lr = trainer.optimizers[0].param_groups[0]["lr"]
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        reset_peak_memory(device)  # the peak of training, not of loading the data
-        synchronize(device)
-        self.start = self.steady_start = time.perf_counter()
+        if device.type == "cuda":  # the peak of training, not of loading the data
+            torch.cuda.reset_peak_memory_stats(device)
+        self.start = self.steady_start = clock(device)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         if batch_idx == self.warmup:
-            synchronize(module.ctx["device"])  # GPU work is asynchronous: wait before the clock
-            self.steady_start = time.perf_counter()
+            self.steady_start = clock(module.ctx["device"])
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         images, labels = batch
@@ -372,8 +353,7 @@ class Metrics(L.Callback):
                 print(f"epoch {epoch} step {batch_idx}/{self.steps} loss {loss.item():.4f}",
                       flush=True)
         if batch_idx + 1 == self.steps:  # the end of training; Lightning evaluates next
-            synchronize(module.ctx["device"])
-            self.end = time.perf_counter()
+            self.end = clock(module.ctx["device"])
             self.memory = peak_memory_bytes(module.ctx["device"])
 
     def on_train_epoch_end(self, trainer, module):
@@ -388,7 +368,7 @@ class Metrics(L.Callback):
         train = dict(steps=self.steps, train_samples=samples, steady_samples=steady_samples,
                      train_loss=loss_sum / samples, train_time_s=time_s,
                      steady_time_s=steady_time_s, peak_memory_bytes=max(memory),
-                     peak_memory_per_device=memory, train_dtype=module.train_dtype)
+                     peak_memory_per_device=memory)
         test = module.test
         self.epochs.append(dict(epoch=epoch, lr=self.lr, **train, **test))
         if trainer.is_global_zero:
@@ -411,13 +391,12 @@ class Metrics(L.Callback):
 
 def main(argv=None):
     args = parse_args(argv)
-    check_args(args)
     check_launch(args)
     module = MNISTModule(args)
     trainer = L.Trainer(
         accelerator="cpu" if args.cpu else args.accelerator, devices=args.devices,
         num_nodes=args.num_nodes, strategy=args.strategy,
-        precision="bf16-mixed" if args.amp else "32-true", max_epochs=args.epochs,
+        max_epochs=args.epochs,
         limit_train_batches=args.max_steps or None,  # per epoch (Trainer(max_steps): in all)
         use_distributed_sampler=False,  # our samplers: 01's order, and no padded test images
         callbacks=[Metrics(args)], num_sanity_val_steps=0, logger=False,

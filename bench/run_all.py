@@ -26,7 +26,6 @@ from bench.outputs import read_json, write_json  # noqa: E402
 from bench.scripts import MODES, REPO, SCRIPTS  # noqa: E402
 
 DEFAULTS = dict(gpu=dict(epochs=3, max_steps=0), cpu=dict(epochs=1, max_steps=150, processes=2))
-VARIANTS = {"amp": ["--amp"], "compile": ["--compile"], "amp+compile": ["--amp", "--compile"]}
 
 
 class BadArgument(Exception):
@@ -65,13 +64,11 @@ def mode_list(text):
 
 
 def variant(text):
-    """(name, script flags): a named variant (amp, compile, amp+compile), or NAME="FLAGS" for any flags."""
+    """(name, script flags) from NAME="FLAGS": the whole sweep again, these flags added to every run."""
     name, sep, flags = text.strip().partition("=")
-    if name in VARIANTS and not sep:
-        return name, VARIANTS[name]
-    if not sep or not name.isidentifier() or name in ("base", *VARIANTS):
-        raise argparse.ArgumentTypeError(f"unknown variant {text!r}: choose from {', '.join(VARIANTS)}, or give "
-                                         "NAME=\"FLAGS\" with a new name of letters, digits and _")
+    if not sep or not name.isidentifier() or name == "base":
+        raise argparse.ArgumentTypeError(f"expected NAME=\"FLAGS\", NAME of letters, digits and _ (not base), "
+                                         f"got {text!r}")
     return name, shlex.split(flags)
 
 
@@ -92,8 +89,6 @@ def parse_args(argv):
     p.add_argument("--no-download", action="store_true", help="stop if MNIST is not in --data-dir")
     p.add_argument("--target-acc", type=at_least(0.0, float), default=0.98, help="for time to accuracy (0.98)")
     p.add_argument("--timeout", type=at_least(1.0, float), default=600, help="seconds before a run is killed (600)")
-    p.add_argument("--variants", type=lambda text: [variant(v) for v in text.split(",")], default=[],
-                   metavar="NAME,...", help=f"repeat the sweep once per variant: {', '.join(VARIANTS)}")
     p.add_argument("--variant", type=variant, action="append", default=[], metavar='NAME="FLAGS"',
                    help="repeat the sweep with these script flags (repeatable), e.g. lr2=\"--lr 2\"")
     p.add_argument("--out", help="output folder (default results/<machine>)")
@@ -102,7 +97,7 @@ def parse_args(argv):
     again.add_argument("--force", action="store_true", help="replace the results already in --out")
     p.add_argument("--dry-run", action="store_true", help="print the planned runs and a rough duration only")
     args = p.parse_args(argv)
-    args.variants = list(dict(args.variants + args.variant).items())  # each name once, in order
+    args.variants = list(dict(args.variant).items())  # each name once, in order
     return args
 
 

@@ -100,19 +100,19 @@ def test_gpu_commands_follow_the_batch_size_rules_and_use_the_harness_interprete
 
 def test_each_per_gpu_batch_variant_and_repeat_is_a_run_of_its_own():
     settings = gpu_settings(["0", "1"], batches=(64, 512))
-    runs, _ = plan.plan(settings, ["single", "ddp_spawn"], [("base", []), ("amp", ["--amp"])], repeats=2)
+    runs, _ = plan.plan(settings, ["single", "ddp_spawn"], [("base", []), ("nodrop", ["--no-dropout"])], repeats=2)
     assert len(runs) == 2 * 2 * 2 * 3 and len({r.run_id for r in runs}) == len(runs)
     for run in runs:
         argv = commands(run, settings, "m.json", "s.pt")[0][1]
-        assert ("--amp" in argv) == (run.variant == "amp")
+        assert ("--no-dropout" in argv) == (run.variant == "nodrop")
         assert argv[argv.index("--seed") + 1] == str(run.repeat)  # each repeat its own seed
         assert argv[argv.index("--batch-size") + 1] == str(run.batch) and f"-b{run.batch}-" in run.run_id
 
 
-def test_variant_names_map_to_their_flags_and_add_to_the_named_flags_variants():
-    args = run_all.parse_args(["--variants", "amp, compile,amp+compile,amp", "--variant", "lr2=--lr 2"])
-    assert args.variants == [("amp", ["--amp"]), ("compile", ["--compile"]),
-                                            ("amp+compile", ["--amp", "--compile"]), ("lr2", ["--lr", "2"])]
+def test_each_variant_is_a_name_and_its_script_flags_the_last_of_a_name_counting():
+    args = run_all.parse_args(["--variant", "lr2=--lr 2", "--variant", "nodrop=--no-dropout --seed 3",
+                               "--variant", "lr2=--lr 0.5"])
+    assert args.variants == [("lr2", ["--lr", "0.5"]), ("nodrop", ["--no-dropout", "--seed", "3"])]
 
 
 def test_cuda_visible_devices_set_by_the_user_chooses_the_gpus_and_gpus_counts_within_them(tmp_path, fake_machine):
@@ -131,11 +131,11 @@ def test_cuda_visible_devices_set_by_the_user_chooses_the_gpus_and_gpus_counts_w
 
 
 def hand_made_summary():
-    """01 trains 1,000 samples/s with B = 64 (t1 = 64 ms); amp doubles 01 and DDP at n = 2 gains 2/3."""
+    """01 trains 1,000 samples/s with B = 64 (t1 = 64 ms); variant "fast" doubles 01; its DDP at n = 2 gains 2/3."""
     rows = [("base", "single", 1, 1000, 0.50, 10), ("base", "dp", 1, 900, 0.50, 11),
             ("base", "ddp_launch", 2, 1500, 0.50, 12), ("base", "ddp_spawn", 4, 2000, 0.50, 13),
             ("base", "ddp_fault_tolerant", 2, 1200, 0.50, 18), ("base", "lightning", 2, 1000, 0.50, 24),
-            ("amp", "single", 1, 2000, 0.52, 9), ("amp", "ddp_launch", 2, 2500, 0.49, 10)]
+            ("fast", "single", 1, 2000, 0.52, 9), ("fast", "ddp_launch", 2, 2500, 0.49, 10)]
     return pd.DataFrame([dict(variant=v, batch=64, mode=m, n=n, per_device_batch=64, samples_per_s=float(x),
                               test_accuracy=a, wall_s=float(w)) for v, m, n, x, a, w in rows])
 
@@ -151,8 +151,8 @@ def test_limit_model_sets_each_run_against_compute_and_all_reduce_time():
     assert (ddp["t1_ms"], ddp["t_ar_ms"]) == (pytest.approx(64), pytest.approx(32))
     assert ddp["x_serial"] == pytest.approx(2 * 64 / 0.096) and ddp["x_overlap"] == pytest.approx(2 * 64 / 0.064)
     assert ddp["pct_of_limit"] == pytest.approx(1500 / 2000)
-    amp = limits.loc[("amp", "ddp_launch", 2)]  # the variant's own 01: t1 = 32 ms = t_ar
-    assert amp["x_overlap"] == pytest.approx(4000) and amp["x_serial"] == pytest.approx(2000)
+    fast = limits.loc[("fast", "ddp_launch", 2)]  # the variant's own 01: t1 = 32 ms = t_ar
+    assert fast["x_overlap"] == pytest.approx(4000) and fast["x_serial"] == pytest.approx(2000)
     assert pd.isna(limits.loc[("base", "ddp_spawn", 4), "x_overlap"])  # all-reduce failed: no limit, no guess
 
 
@@ -203,7 +203,7 @@ def test_time_to_target_counts_training_time_until_the_first_epoch_at_target():
     (["--gpus", "0", "--cpu", "2"], "not allowed with argument"),
     (["--per-gpu-batch", "x"], "invalid int_list value"),
     (["--variant", "nameless"], "--variant"),
-    (["--variants", "amp,fp8"], "unknown variant 'fp8'"),
+    (["--variant", "base=--lr 2"], "(not base)"),
     (["--resume", "--force"], "not allowed with argument"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(tmp_path, fake_machine, args, message):

@@ -107,7 +107,7 @@ LAUNCHES = {  # world size: how 03 is started
 
 @pytest.mark.parametrize("world_size", LAUNCHES, ids=["torchrun-1", "legacy-launcher-2", "torchrun-3"])
 def test_evaluation_counts_every_test_image_once(world_size, mnist_dir, tmp_path):
-    result = run(LAUNCHES[world_size](train_args(mnist_dir, tmp_path, "--max-steps", 3, "--batch-size", B)))
+    run(LAUNCHES[world_size](train_args(mnist_dir, tmp_path, "--max-steps", 3, "--batch-size", B)))
     record = json.loads((tmp_path / "metrics.json").read_text())
     assert record["world_size"] == world_size
     reference = evaluate_on_one_process(mnist_dir, torch.load(tmp_path / "model.pt"))
@@ -115,18 +115,6 @@ def test_evaluation_counts_every_test_image_once(world_size, mnist_dir, tmp_path
     assert record["epochs_detail"][0]["test_samples"] == count == TEST_IMAGES
     assert record["test_accuracy"] == accuracy
     assert record["test_loss"] == pytest.approx(loss, rel=1e-6)
-
-
-def test_training_learns_in_float32_and_in_bfloat16_alike(quick_mnist_dir, tmp_path):
-    records = {}
-    for variant in ([], ["--amp"]):
-        out = tmp_path / ("amp" if variant else "fp32")
-        out.mkdir()
-        run(script_command("01_single_gpu.py", *train_args(quick_mnist_dir, out, "--max-steps", 40, *variant)))
-        records[bool(variant)] = json.loads((out / "metrics.json").read_text())
-    assert records[False]["amp"] is False and records[True]["amp"] is True
-    assert records[False]["test_accuracy"] > 0.6, "chance is 0.1"
-    assert abs(records[True]["test_accuracy"] - records[False]["test_accuracy"]) <= 0.005
 
 
 def test_each_epoch_has_its_own_shuffle_and_the_group_is_destroyed(quick_mnist_dir, monkeypatch):

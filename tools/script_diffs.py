@@ -44,8 +44,27 @@ def read_lines(root, name):
     return path.read_text().splitlines()
 
 
+def hunk_range(start, stop):
+    """diff's name for lines start..stop-1, counted from 1 (an empty range names the line before it)."""
+    if stop - start == 1:
+        return str(start + 1)
+    return f"{start + 1 if stop > start else start},{stop - start}"
+
+
 def unified(root, a, b, context):
-    return list(difflib.unified_diff(read_lines(root, a), read_lines(root, b), a, b, n=context, lineterm=""))
+    """A unified diff as `diff -U<context>` finds it. (difflib.unified_diff's matcher takes lines that are
+    frequent in a long file, such as blank ones, for junk, and then reports more changed lines than diff.)"""
+    old, new = read_lines(root, a), read_lines(root, b)
+    lines = [f"--- {a}", f"+++ {b}"]
+    for group in difflib.SequenceMatcher(None, old, new, autojunk=False).get_grouped_opcodes(context):
+        first, last = group[0], group[-1]
+        lines.append(f"@@ -{hunk_range(first[1], last[2])} +{hunk_range(first[3], last[4])} @@")
+        for tag, i1, i2, j1, j2 in group:
+            if tag == "equal":
+                lines += [f" {line}" for line in old[i1:i2]]
+            else:
+                lines += [f"-{line}" for line in old[i1:i2]] + [f"+{line}" for line in new[j1:j2]]
+    return lines
 
 
 def changed_lines(diff):

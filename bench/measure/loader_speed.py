@@ -10,7 +10,6 @@ harness's report.md divides by its own sweep's 01).
 import argparse
 import statistics
 import sys
-import time
 
 from bench.outputs import json_path, write_json
 from bench.scripts import load_script
@@ -34,11 +33,9 @@ def loader_pass(m01, data, indices, batch_size, device, warmup):
     samples, t0 = 0, None
     for i, (images, labels) in enumerate(m01.batches(data, indices, batch_size)):
         if i == warmup:
-            m01.synchronize(device)  # GPU work is asynchronous: read the clock once it is done
-            t0 = time.perf_counter()
+            t0 = m01.clock(device)
         samples += len(labels) if i >= warmup else 0
-    m01.synchronize(device)
-    return samples / (time.perf_counter() - t0)
+    return samples / (m01.clock(device) - t0)
 
 
 def main(argv=None):
