@@ -3,10 +3,11 @@
 import shutil
 import socket
 import sys
+from types import SimpleNamespace
 
 import pytest
 
-from conftest import NO_NETWORK, launcher_env, run, script_command
+from conftest import NO_NETWORK, launcher_env, load_script, run, script_command
 
 
 def corrupt(name, how):
@@ -18,33 +19,45 @@ def corrupt(name, how):
     return damage
 
 
-# id: (script, arguments, what the error line must mention, how to prepare the data folder)
+# Refused when the flags are parsed, before any work: each checked in this process (a subprocess per case
+# would spend most of its seconds importing torch). id: (script, arguments, what the error line must say)
+FLAGS = {
+    "learning rate not a number": ("01_single_gpu.py", ["--lr", "nan"], "--lr must be positive"),
+    "learning rate infinite": ("03_ddp_launch.py", ["--lr", "inf"], "--lr must be positive"),
+    "seed negative": ("01_single_gpu.py", ["--seed", "-1"], "--seed must be in"),
+    "seed too large": ("04_ddp_spawn.py", ["--seed", str(2**32)], "--seed must be in"),
+    "epochs 0": ("03_ddp_launch.py", ["--epochs", "0"], "--epochs must be positive"),
+    "test batch size negative": ("05_multinode_mnist.py", ["--test-batch-size", "-5"], "must be positive"),
+    "max steps negative": ("02_data_parallel.py", ["--max-steps", "-1"], "--max-steps must be zero or more"),
+    "log interval negative": ("06_fault_tolerant.py", ["--log-interval", "-1"], "--log-interval must be zero"),
+    "threads negative": ("05_multinode_mnist.py", ["--threads", "-2"], "--threads must be zero or more"),
+    "nprocs 0": ("04_ddp_spawn.py", ["--nprocs", "0"], "--nprocs must be positive"),
+    "nodes 0": ("05_multinode_mnist.py", ["-n", "0"], "--nodes must be positive"),
+    "gpus per node 0": ("05_multinode_mnist.py", ["-g", "0"], "--gpus must be positive"),
+    "node rank outside": ("05_multinode_mnist.py", ["-n", "2", "--nr", "2"], "outside 0..1"),
+    "port not a port": ("04_ddp_spawn.py", ["--master-port", "70000"], "not a port number"),
+    "metrics folder missing": ("01_single_gpu.py", ["--metrics-json", "{tmp}/missing/m.json"], "cannot write"),
+    "metrics path is a folder": ("04_ddp_spawn.py", ["--metrics-json", "{tmp}"], "cannot write"),
+    "model folder missing": ("02_data_parallel.py", ["--save-model", "{tmp}/missing/m.pt"], "cannot write"),
+    "snapshot folder missing": ("06_fault_tolerant.py", ["--snapshot", "{tmp}/missing/s.pt"], "cannot write"),
+    "negative snapshot interval": ("06_fault_tolerant.py", ["--snapshot-every", "-1"], "--snapshot-every"),
+    "timeout 0": ("06_fault_tolerant.py", ["--timeout", "0"], "--timeout must be positive"),
+    "timeout not a number": ("06_fault_tolerant.py", ["--timeout", "nan"], "--timeout must be positive"),
+}
+
+# Found later (by the launcher, setup, the data or the snapshot), or one of the above as a user meets it:
+# each started as a user starts it. id: (script, arguments, what the error line must say, how to prepare
+# the data folder)
 CASES = {
     "batch size 0": ("01_single_gpu.py", ["--batch-size", "0"], "--batch-size must be positive", None),
     "batch larger than the data": ("02_data_parallel.py", ["--batch-size", "100000"], "more than the", None),
-    "learning rate not a number": ("01_single_gpu.py", ["--lr", "nan"], "--lr must be positive", None),
-    "learning rate infinite": ("03_ddp_launch.py", ["--lr", "inf"], "--lr must be positive", None),
-    "seed negative": ("01_single_gpu.py", ["--seed", "-1"], "--seed must be in", None),
-    "epochs 0": ("03_ddp_launch.py", ["--epochs", "0"], "--epochs must be positive", None),
-    "test batch size negative": ("05_multinode_mnist.py", ["--test-batch-size", "-5"], "must be positive", None),
-    "nprocs 0": ("04_ddp_spawn.py", ["--nprocs", "0"], "--nprocs must be positive", None),
-    "gpus per node 0": ("05_multinode_mnist.py", ["-g", "0"], "--gpus must be positive", None),
     "gpu ids do not parse": ("02_data_parallel.py", ["--gpus", "a,b"], "--gpus a,b", None),
     "gpu id does not exist": ("02_data_parallel.py", ["--gpus", "99"], "--gpus 99", None),
-    "node rank outside": ("05_multinode_mnist.py", ["-n", "2", "--nr", "2"], "outside 0..1", None),
-    "port not a port": ("04_ddp_spawn.py", ["--master-port", "70000"], "not a port number", None),
     "data missing": ("01_single_gpu.py", [], "--synthetic", "empty"),
     "truncated file": ("01_single_gpu.py", [], "could not be loaded", corrupt("t10k-images-idx3-ubyte", "truncate")),
     "corrupt file": ("01_single_gpu.py", [], "could not be loaded", corrupt("train-labels-idx1-ubyte", "magic")),
-    "metrics folder missing": ("01_single_gpu.py", ["--metrics-json", "{tmp}/missing/m.json"], "cannot write", None),
-    "metrics path is a folder": ("04_ddp_spawn.py", ["--metrics-json", "{tmp}"], "cannot write", None),
-    "model folder missing": ("02_data_parallel.py", ["--save-model", "{tmp}/missing/m.pt"], "cannot write", None),
-    "snapshot folder missing": ("06_fault_tolerant.py", ["--snapshot", "{tmp}/missing/s.pt"], "cannot write", None),
     "corrupt snapshot": ("06_fault_tolerant.py", ["--snapshot", "{tmp}/snapshot.pt"], "could not be loaded",
                          lambda tmp_path: (tmp_path / "snapshot.pt").write_bytes(b"not a snapshot")),
-    "negative snapshot interval": ("06_fault_tolerant.py", ["--snapshot-every", "-1"], "--snapshot-every", None),
-    "timeout 0": ("06_fault_tolerant.py", ["--timeout", "0"], "--timeout must be positive", None),
-    "timeout not a number": ("06_fault_tolerant.py", ["--timeout", "nan"], "--timeout must be positive", None),
 }
 
 
@@ -53,6 +66,20 @@ def assert_fails_clearly(result, expected):
     assert "Traceback" not in result.stderr, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and expected in errors[0], result.stderr
+
+
+@pytest.mark.parametrize("case", FLAGS, ids=list(FLAGS))
+def test_a_bad_flag_is_refused_with_one_clear_line_before_any_work(case, tmp_path, capsys):
+    script, args, expected = FLAGS[case]
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text('{"earlier": "run"}')
+    args = [a.format(tmp=tmp_path) for a in args]
+    if "--metrics-json" not in args:
+        args += ["--metrics-json", str(metrics)]
+    with pytest.raises(SystemExit) as exited:
+        load_script(script).parse_args(args)
+    assert_fails_clearly(SimpleNamespace(returncode=exited.value.code, stderr=capsys.readouterr().err), expected)
+    assert metrics.read_text() == '{"earlier": "run"}' and sorted(tmp_path.iterdir()) == [metrics]
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))

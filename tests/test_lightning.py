@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import (NO_NETWORK, QUICK_TEST_IMAGES, ROOT, TEST_IMAGES, evaluate_on_one_process, load_script,
+from conftest import (NO_NETWORK, QUICK_TEST_IMAGES, ROOT, evaluate_on_one_process, load_script,
                       run, script_command)
 from test_bad_input import assert_fails_clearly
 
@@ -106,14 +106,14 @@ def lightning_script():
     return load_script(SCRIPT)
 
 
-def test_evaluation_counts_every_test_image_once_at_world_size_3(mnist_dir, tmp_path):
-    """3 does not divide 10,000: Lightning's own sampler would count 10,002 images here."""
-    args = train_args(mnist_dir, tmp_path, "--max-steps", 3, "--batch-size", B)
+def test_evaluation_counts_every_test_image_once_at_world_size_3(quick_mnist_dir, tmp_path):
+    """3 does not divide 1,000: Lightning's own sampler would count 1,002 images here."""
+    args = train_args(quick_mnist_dir, tmp_path, "--max-steps", 3, "--batch-size", B, "--test-batch-size", 100)
     lit = outcome(run(lightning(*args, devices=3, torchrun=True)), tmp_path)
     assert lit.record["world_size"] == 3
-    reference = evaluate_on_one_process(mnist_dir, lit.weights)
+    reference = evaluate_on_one_process(quick_mnist_dir, lit.weights)
     counted = lit.record["epochs_detail"][0]["test_samples"]
-    assert counted == reference["test_samples"] == TEST_IMAGES
+    assert counted == reference["test_samples"] == QUICK_TEST_IMAGES
     assert lit.record["test_accuracy"] == reference["test_accuracy"]
     assert lit.record["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-6)
 

@@ -15,8 +15,10 @@ import torch
 from conftest import ROOT, TORCHRUN, free_port, run, run_two_nodes, script_command, start
 
 # One thread per process everywhere: two "nodes" on one host would otherwise take two each, and a different
-# number of threads sums in a different order (equal weights, not bitwise equal).
-TRAIN = ["--epochs", 2, "--batch-size", 32, "--log-interval", 0, "--snapshot-every", 8, "--threads", 1]
+# number of threads sums in a different order (equal weights, not bitwise equal). 20 steps an epoch: snapshots
+# at steps 8 and 16 and at the epoch's end.
+TRAIN = ["--epochs", 2, "--max-steps", 20, "--batch-size", 32, "--log-interval", 0, "--snapshot-every", 8,
+         "--threads", 1]
 
 
 def children(pid):

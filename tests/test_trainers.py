@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import (NO_NETWORK, QUICK_TEST_IMAGES, ROOT, SCRIPTS, TEST_IMAGES, evaluate_on_one_process,
+from conftest import (NO_NETWORK, QUICK_TEST_IMAGES, ROOT, SCRIPTS, evaluate_on_one_process,
                       launcher_env, load_script, run, run_two_nodes, script_command)
 
 # Every key of the metrics record in the design contract (shared/DESIGN.md; docs/benchmark.md lists them too).
@@ -101,18 +101,20 @@ LAUNCHES = {  # world size: how 03 is started
     # The deprecated launcher, as 03's docstring shows it (--use-env: no --local-rank argument).
     2: lambda args: [sys.executable, "-m", "torch.distributed.launch", "--use-env", "--nproc_per_node", "2",
                      str(ROOT / "03_ddp_launch.py"), *map(str, args)],
-    3: lambda args: script_command("03_ddp_launch.py", *args, nprocs=3),  # 3 does not divide 10,000
+    3: lambda args: script_command("03_ddp_launch.py", *args, nprocs=3),  # 3 does not divide 1,000
 }
 
 
 @pytest.mark.parametrize("world_size", LAUNCHES, ids=["torchrun-1", "legacy-launcher-2", "torchrun-3"])
-def test_evaluation_counts_every_test_image_once(world_size, mnist_dir, tmp_path):
-    run(LAUNCHES[world_size](train_args(mnist_dir, tmp_path, "--max-steps", 3, "--batch-size", B)))
+def test_evaluation_counts_every_test_image_once(world_size, quick_mnist_dir, tmp_path):
+    """Test batches of 100: each rank's share ends in a short batch."""
+    args = train_args(quick_mnist_dir, tmp_path, "--max-steps", 3, "--batch-size", B, "--test-batch-size", 100)
+    run(LAUNCHES[world_size](args))
     record = json.loads((tmp_path / "metrics.json").read_text())
     assert record["world_size"] == world_size
-    reference = evaluate_on_one_process(mnist_dir, torch.load(tmp_path / "model.pt"))
+    reference = evaluate_on_one_process(quick_mnist_dir, torch.load(tmp_path / "model.pt"))
     accuracy, loss, count = reference["test_accuracy"], reference["test_loss"], reference["test_samples"]
-    assert record["epochs_detail"][0]["test_samples"] == count == TEST_IMAGES
+    assert record["epochs_detail"][0]["test_samples"] == count == QUICK_TEST_IMAGES
     assert record["test_accuracy"] == accuracy
     assert record["test_loss"] == pytest.approx(loss, rel=1e-6)
 
