@@ -405,10 +405,8 @@ def main(argv=None):
     # rank 0's SIGTERM flag (on GPUs, waiting for it): Lightning-AI/pytorch-lightning#21487.
     try:
         trainer.fit(module)
-    except RuntimeError as e:  # a peer died: one line; other errors keep their traceback
-        if not isinstance(e, dist.DistError) and "peer" not in str(e).lower():
-            raise
-        fail(f"rank {trainer.global_rank} lost its peers (did another fail first?): "
+    except RuntimeError as e:  # a peer died (gloo: RuntimeError; NCCL: DistError, a subclass)
+        fail(f"rank {trainer.global_rank} stopped (did another fail first?): "
              f"{str(e).splitlines()[0]}")
 
 

@@ -256,7 +256,7 @@ def full_sweep(tmp_path_factory, quick_mnist_dir, fake_machine):
     of the sweep loads), then --resume without that failure."""
     out, hooks = tmp_path_factory.mktemp("sweep") / "results", tmp_path_factory.mktemp("hooks")
     (hooks / "sitecustomize.py").write_text(FAIL_01)
-    args = ["--data-dir", quick_mnist_dir, *SWEEP, "--out", out]
+    args = [*SWEEP, "--data-dir", quick_mnist_dir, "--out", out]
     env = {**fake_machine, "PYTHONPATH": str(hooks)}
     first = harness(*args, env={**env, "BENCH_TEST_FAIL_01": "1"}, timeout=900)  # 4 runs
     first_runs = read_runs(out)
