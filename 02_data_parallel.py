@@ -21,8 +21,8 @@ from torchvision import datasets
 
 MODE = "dp"
 WARMUP_STEPS = 5  # left out of samples_per_s: first steps pay for allocation and kernel selection
-POSITIVE = ["epochs", "batch_size", "test_batch_size", "lr"]  # flags checked first
-NOT_NEGATIVE = ["max_steps", "log_interval", "threads"]
+POSITIVE = ["epochs", "batch_size", "test_batch_size", "lr"]  # values > 0
+NOT_NEGATIVE = ["max_steps", "log_interval", "threads"]  # values >= 0
 
 
 class Net(nn.Module):
@@ -83,9 +83,9 @@ def parse_args(argv=None):
             fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
     if not 0 <= args.seed < 2**32:
         fail(f"--seed must be in 0..2**32-1, got {args.seed}")
-    for path in (args.metrics_json, args.save_model):  # each written into its folder
-        folder = os.path.dirname(os.path.abspath(path or "."))
-        if path and (os.path.isdir(path) or not os.access(folder, os.W_OK)):
+    for path in filter(None, [args.metrics_json, args.save_model]):  # those given
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path) or not os.access(folder, os.W_OK):  # each is written into its folder
             fail(f"cannot write {path}: its folder does not exist or is not writable")
     return args
 
@@ -160,7 +160,7 @@ def train_epoch(model, data, sampler, optimizer, args, ctx, epoch):
         steps = min(steps, args.max_steps)
     warmup = min(WARMUP_STEPS, steps - 1) if epoch == 1 else 0  # at least one step is timed
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for each_device in ctx["devices"]:  # the peak of training, not of loading the data
+    for each_device in ctx["devices"]:  # on GPUs: the peak of training, not of loading the data
         if each_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(each_device)
     start = steady_start = clock(device)
@@ -202,7 +202,7 @@ def evaluate(net, data, indices, args, ctx):
 
 
 def metrics_record(args, ctx, epochs):
-    """The run's record: DESIGN.md's keys, never renamed, and a few more."""
+    """The run's record, for the harness in bench/ (keys are added, never renamed)."""
     steady_samples = sum(e["steady_samples"] for e in epochs)
     steady_time_s = sum(e["steady_time_s"] for e in epochs)
     names = [torch.cuda.get_device_name(d) if d.type == "cuda" else "cpu" for d in ctx["devices"]]
@@ -227,10 +227,10 @@ def write_json_atomically(path, record):
 def run(args, ctx):
     device = ctx["device"]
     torch.manual_seed(args.seed)
-    train_data = [t.to(device) for t in load_mnist(args, train=True)]  # 220 MB: fits any GPU
+    train_data = [t.to(device) for t in load_mnist(args, train=True)]  # 188 MB: fits any GPU
     test_data = [t.to(device) for t in load_mnist(args, train=False)]
     train_size, test_size = len(train_data[1]), len(test_data[1])
-    # Each replica trains on its share of every epoch's shuffle: here all of it, in the DDP order.
+    # Each replica trains on its share of every epoch's shuffle (01 and 02 have one: all of it).
     sampler = DistributedSampler(range(train_size), num_replicas=1, rank=0, seed=args.seed)
     test_indices = range(test_size)
     if len(sampler) < args.batch_size:

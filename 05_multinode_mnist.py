@@ -28,8 +28,8 @@ from torchvision import datasets
 
 MODE = "ddp_multinode"
 WARMUP_STEPS = 5  # left out of samples_per_s: first steps pay for allocation and kernel selection
-POSITIVE = ["epochs", "batch_size", "test_batch_size", "lr", "nodes", "gpus"]  # flags checked first
-NOT_NEGATIVE = ["max_steps", "log_interval", "threads"]
+POSITIVE = ["epochs", "batch_size", "test_batch_size", "lr", "nodes", "gpus"]  # values > 0
+NOT_NEGATIVE = ["max_steps", "log_interval", "threads"]  # values >= 0
 
 
 class Net(nn.Module):
@@ -82,7 +82,7 @@ def parse_args(argv=None):
     p.add_argument("--metrics-json", metavar="PATH", help="write the run's metrics record here")
     p.add_argument("-n", "--nodes", type=int, default=1, help="machines")
     p.add_argument("-g", "--gpus", type=int, default=torch.cuda.device_count() or 1,
-                   help="processes on this node (default: one per visible GPU, or 1 on the CPU)")
+                   help="processes on this node (default: one per visible GPU, or 1 without GPUs)")
     p.add_argument("--nr", "--node-rank", dest="node_rank", type=int, default=0,
                    help="this node's rank, 0..nodes-1")
     p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0")
@@ -101,9 +101,9 @@ def parse_args(argv=None):
         fail(f"--master-port {args.master_port} is not a port number (1..65535)")
     if not 0 <= args.node_rank < args.nodes:
         fail(f"--nr {args.node_rank} is outside 0..{args.nodes - 1}")
-    for path in (args.metrics_json, args.save_model):  # each written into its folder
-        folder = os.path.dirname(os.path.abspath(path or "."))
-        if path and (os.path.isdir(path) or not os.access(folder, os.W_OK)):
+    for path in filter(None, [args.metrics_json, args.save_model]):  # those given
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path) or not os.access(folder, os.W_OK):  # each is written into its folder
             fail(f"cannot write {path}: its folder does not exist or is not writable")
     return args
 
@@ -180,7 +180,7 @@ def train_epoch(model, data, sampler, optimizer, args, ctx, epoch):
         steps = min(steps, args.max_steps)
     warmup = min(WARMUP_STEPS, steps - 1) if epoch == 1 else 0  # at least one step is timed
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for each_device in ctx["devices"]:  # the peak of training, not of loading the data
+    for each_device in ctx["devices"]:  # on GPUs: the peak of training, not of loading the data
         if each_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(each_device)
     start = steady_start = clock(device)
@@ -223,7 +223,7 @@ def evaluate(net, data, indices, args, ctx):
 
 
 def metrics_record(args, ctx, epochs):
-    """The run's record: DESIGN.md's keys, never renamed, and a few more."""
+    """The run's record, for the harness in bench/ (keys are added, never renamed)."""
     steady_samples = sum(e["steady_samples"] for e in epochs)
     steady_time_s = sum(e["steady_time_s"] for e in epochs)
     names = [torch.cuda.get_device_name(d) if d.type == "cuda" else "cpu" for d in ctx["devices"]]
@@ -250,12 +250,12 @@ def run(args, ctx):
     torch.manual_seed(args.seed + ctx["rank"])  # its own dropout masks; DDP copies rank 0's weights
     if ctx["local_rank"] != 0:
         dist.barrier()  # one process per node downloads; the others wait, then read its files
-    train_data = [t.to(device) for t in load_mnist(args, train=True)]  # 220 MB: fits any GPU
+    train_data = [t.to(device) for t in load_mnist(args, train=True)]  # 188 MB: fits any GPU
     test_data = [t.to(device) for t in load_mnist(args, train=False)]
     if ctx["local_rank"] == 0:
         dist.barrier()
     train_size, test_size = len(train_data[1]), len(test_data[1])
-    # Each replica trains on its share of every epoch's shuffle: here all of it, in the DDP order.
+    # Each replica trains on its share of every epoch's shuffle (01 and 02 have one: all of it).
     sampler = DistributedSampler(range(train_size), ctx["world_size"], ctx["rank"], seed=args.seed)
     # Each rank tests every world_size-th image: all of them exactly once, no padded repeats.
     test_indices = range(ctx["rank"], test_size, ctx["world_size"])

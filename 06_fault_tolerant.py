@@ -4,7 +4,8 @@
     torchrun --nnodes 2 --nproc_per_node 4 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \
         --max-restarts 3 06_fault_tolerant.py --snapshot /shared/s.pt   # on each machine
 A killed process makes torchrun restart them all; they resume from the last snapshot, which rank 0
-writes and sends to every rank (so only node 0 needs to see it). --timeout bounds every wait.
+writes and sends to every rank. After a restart rank 0 may be on another node: give a path that
+every node sees, as above. --timeout bounds every wait.
 """
 import argparse
 import fcntl
@@ -26,8 +27,8 @@ from torchvision import datasets
 
 MODE = "ddp_fault_tolerant"
 WARMUP_STEPS = 5  # left out of samples_per_s: first steps pay for allocation and kernel selection
-POSITIVE = ["epochs", "batch_size", "test_batch_size", "lr", "timeout"]  # flags checked first
-NOT_NEGATIVE = ["max_steps", "log_interval", "threads", "snapshot_every"]
+POSITIVE = ["epochs", "batch_size", "test_batch_size", "lr", "timeout"]  # values > 0
+NOT_NEGATIVE = ["max_steps", "log_interval", "threads", "snapshot_every"]  # values >= 0
 
 
 class Net(nn.Module):
@@ -90,9 +91,9 @@ def parse_args(argv=None):
             fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
     if not 0 <= args.seed < 2**32:
         fail(f"--seed must be in 0..2**32-1, got {args.seed}")
-    for path in (args.metrics_json, args.save_model, args.snapshot):  # written into its folder
-        folder = os.path.dirname(os.path.abspath(path or "."))
-        if path and (os.path.isdir(path) or not os.access(folder, os.W_OK)):
+    for path in filter(None, [args.metrics_json, args.save_model, args.snapshot]):  # those given
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path) or not os.access(folder, os.W_OK):  # each is written into its folder
             fail(f"cannot write {path}: its folder does not exist or is not writable")
     return args
 
@@ -112,12 +113,14 @@ def attempt_store(args, rank):
 def setup(args):
     """The one place that decides the device (in the DDP scripts: rank and world size too)."""
     if "RANK" not in os.environ:
-        fail("start me with torchrun: torchrun --standalone --nproc_per_node N 03_ddp_launch.py")
+        fail(f"start me with torchrun: torchrun --standalone --nproc_per_node N {__file__}")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])  # its number, and how many, on its machine
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
     cuda = torch.cuda.is_available() and not args.cpu
     devices = [torch.device("cuda", local_rank)] if cuda else [torch.device("cpu")]
+    if cuda:  # object collectives (the snapshot's RNG states) run on the current GPU
+        torch.cuda.set_device(devices[0])
     threads = args.threads or max(1, len(os.sched_getaffinity(0)) // local_world_size)  # shared
     torch.set_num_threads(threads)
     try:
@@ -233,7 +236,7 @@ def train_epoch(model, data, sampler, optimizer, args, ctx, epoch, start_step=0,
         steps = min(steps, args.max_steps)
     warmup = min(start_step + WARMUP_STEPS, steps - 1) if epoch == 1 or start_step else 0
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for each_device in ctx["devices"]:  # the peak of training, not of loading the data
+    for each_device in ctx["devices"]:  # on GPUs: the peak of training, not of loading the data
         if each_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(each_device)
     start = steady_start = clock(device)
@@ -279,7 +282,7 @@ def evaluate(net, data, indices, args, ctx):
 
 
 def metrics_record(args, ctx, epochs):
-    """The run's record: DESIGN.md's keys, never renamed, and a few more."""
+    """The run's record, for the harness in bench/ (keys are added, never renamed)."""
     steady_samples = sum(e["steady_samples"] for e in epochs)
     steady_time_s = sum(e["steady_time_s"] for e in epochs)
     names = [torch.cuda.get_device_name(d) if d.type == "cuda" else "cpu" for d in ctx["devices"]]
@@ -306,12 +309,12 @@ def run(args, ctx):
     torch.manual_seed(args.seed + ctx["rank"])  # its own dropout masks; DDP copies rank 0's weights
     if ctx["local_rank"] != 0:
         dist.barrier()  # one process per node downloads; the others wait, then read its files
-    train_data = [t.to(device) for t in load_mnist(args, train=True)]  # 220 MB: fits any GPU
+    train_data = [t.to(device) for t in load_mnist(args, train=True)]  # 188 MB: fits any GPU
     test_data = [t.to(device) for t in load_mnist(args, train=False)]
     if ctx["local_rank"] == 0:
         dist.barrier()
     train_size, test_size = len(train_data[1]), len(test_data[1])
-    # Each replica trains on its share of every epoch's shuffle: here all of it, in the DDP order.
+    # Each replica trains on its share of every epoch's shuffle (01 and 02 have one: all of it).
     sampler = DistributedSampler(range(train_size), ctx["world_size"], ctx["rank"], seed=args.seed)
     # Each rank tests every world_size-th image: all of them exactly once, no padded repeats.
     test_indices = range(ctx["rank"], test_size, ctx["world_size"])
@@ -336,11 +339,11 @@ def run(args, ctx):
         sampler.set_epoch(epoch)
         lr = scheduler.get_last_lr()[0]
         start = start_step if epoch == first_epoch else 0
-        train = train_epoch(model, train_data, sampler, optimizer, args, ctx, epoch, start,
-                            save if args.snapshot else None)
+        train = train_epoch(model, train_data, sampler, optimizer, args, ctx, epoch,
+                            start_step=start, save=save if args.snapshot else None)
         scheduler.step()
         test = evaluate(net, test_data, test_indices, args, ctx)
-        if args.snapshot:
+        if args.snapshot and epoch < args.epochs:  # the last one once the outputs are written
             save(epoch + 1, 0)
         epochs.append(dict(epoch=epoch, lr=lr, **train, **test))
         if ctx["master"]:
@@ -357,6 +360,8 @@ def run(args, ctx):
             torch.save(net.state_dict(), args.save_model)
         if args.metrics_json:
             write_json_atomically(args.metrics_json, record)
+    if args.snapshot:  # after the outputs: a restart before this redoes the last epoch
+        save(args.epochs + 1, 0)
 
 
 def main(argv=None):

@@ -39,7 +39,7 @@ from torchvision import datasets
 MODE = "lightning"
 WARMUP_STEPS = 5  # left out of samples_per_s: first steps pay for allocation and kernel selection
 POSITIVE = ["epochs", "batch_size", "test_batch_size", "lr", "devices", "num_nodes"]
-NOT_NEGATIVE = ["max_steps", "log_interval", "threads"]
+NOT_NEGATIVE = ["max_steps", "log_interval", "threads"]  # values >= 0
 STRATEGIES = ["auto", "ddp", "ddp_spawn"]  # auto: one device alone, ddp for several
 ACCELERATORS = ["auto", "cpu", "gpu"]  # auto: the GPUs if there are any
 
@@ -112,9 +112,9 @@ def parse_args(argv=None):
             fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
     if not 0 <= args.seed < 2**32:
         fail(f"--seed must be in 0..2**32-1, got {args.seed}")
-    for path in (args.metrics_json, args.save_model):  # each written into its folder
-        folder = os.path.dirname(os.path.abspath(path or "."))
-        if path and (os.path.isdir(path) or not os.access(folder, os.W_OK)):
+    for path in filter(None, [args.metrics_json, args.save_model]):  # those given
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path) or not os.access(folder, os.W_OK):  # each is written into its folder
             fail(f"cannot write {path}: its folder does not exist or is not writable")
     return args
 
@@ -301,7 +301,7 @@ class MNISTModule(L.LightningModule):
 
 
 def metrics_record(args, ctx, epochs):
-    """The run's record: DESIGN.md's keys, never renamed, and a few more."""
+    """The run's record, for the harness in bench/ (keys are added, never renamed)."""
     steady_samples = sum(e["steady_samples"] for e in epochs)
     steady_time_s = sum(e["steady_time_s"] for e in epochs)
     names = [torch.cuda.get_device_name(d) if d.type == "cuda" else "cpu" for d in ctx["devices"]]

@@ -32,14 +32,18 @@ def test_every_mode_trains_on_cuda_and_reports_gpu_memory(tmp_path):
     runs = {"01": train("01_single_gpu.py", tmp_path / "01", "--batch-size", B * gpus),
             "02": train("02_data_parallel.py", tmp_path / "02", "--batch-size", B * gpus, "--gpus", ids),
             "03": train("03_ddp_launch.py", tmp_path / "03", "--batch-size", B, nprocs=gpus),
-            "04": train("04_ddp_spawn.py", tmp_path / "04", "--batch-size", B, "--nprocs", gpus)}
+            "04": train("04_ddp_spawn.py", tmp_path / "04", "--batch-size", B, "--nprocs", gpus),
+            # 06's snapshot gathers every rank's RNG state: an object collective, on each rank's own GPU
+            "06": train("06_fault_tolerant.py", tmp_path / "06", "--batch-size", B, "--snapshot",
+                        tmp_path / "06-snapshot.pt", nprocs=gpus)}
     for name, (record, _) in runs.items():
         assert record["device_type"] == "cuda", name
         assert 0 < record["peak_memory_bytes"] < torch.cuda.get_device_properties(0).total_memory, name
         assert record["global_batch"] == B * gpus and record["samples_per_s"] > 0, name
     per_gpu = runs["02"][0]["epochs_detail"][0]["peak_memory_per_device"]
     assert len(per_gpu) == gpus and runs["02"][0]["peak_memory_bytes"] == max(per_gpu)  # DataParallel: each GPU
-    assert runs["03"][0]["backend"] == runs["04"][0]["backend"] == "nccl"
+    assert runs["03"][0]["backend"] == runs["04"][0]["backend"] == runs["06"][0]["backend"] == "nccl"
+    assert (tmp_path / "06-snapshot.pt").exists()
     # Same global batch, same update, on the GPU too. cuDNN's convolution backward is not deterministic (atomic
     # adds), so two runs of the same script differ slightly and the differences grow with every step: compare
     # after a few steps only (after 30, 02 was already outside this tolerance on an H200).
