@@ -68,18 +68,26 @@ def assert_fails_clearly(result, expected):
     assert len(errors) == 1 and expected in errors[0], result.stderr
 
 
+EARLIER = '{"earlier": "run"}'
+
+
+def with_an_earlier_metrics_file(args, tmp_path):
+    """(the case's arguments with {tmp} filled in, and --metrics-json unless it names one, that file):
+    the file holds an earlier run's record, which a refused run must leave as it was."""
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text(EARLIER)
+    args = [a.format(tmp=tmp_path) for a in args]
+    return (args if "--metrics-json" in args else [*args, "--metrics-json", str(metrics)]), metrics
+
+
 @pytest.mark.parametrize("case", FLAGS, ids=list(FLAGS))
 def test_a_bad_flag_is_refused_with_one_clear_line_before_any_work(case, tmp_path, capsys):
     script, args, expected = FLAGS[case]
-    metrics = tmp_path / "metrics.json"
-    metrics.write_text('{"earlier": "run"}')
-    args = [a.format(tmp=tmp_path) for a in args]
-    if "--metrics-json" not in args:
-        args += ["--metrics-json", str(metrics)]
+    args, metrics = with_an_earlier_metrics_file(args, tmp_path)
     with pytest.raises(SystemExit) as exited:
         load_script(script).parse_args(args)
     assert_fails_clearly(SimpleNamespace(returncode=exited.value.code, stderr=capsys.readouterr().err), expected)
-    assert metrics.read_text() == '{"earlier": "run"}' and sorted(tmp_path.iterdir()) == [metrics]
+    assert metrics.read_text() == EARLIER and sorted(tmp_path.iterdir()) == [metrics]
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
@@ -93,16 +101,12 @@ def test_bad_input_fails_with_one_clear_line(case, quick_mnist_dir, tmp_path):
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "runs.csv").write_text("mode,n\nsingle,1\n")  # an earlier harness run
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    metrics = tmp_path / "metrics.json"
-    metrics.write_text('{"earlier": "run"}')
-    args = [a.format(tmp=tmp_path) for a in args]
-    if "--metrics-json" not in args:
-        args += ["--metrics-json", str(metrics)]
+    args, metrics = with_an_earlier_metrics_file(args, tmp_path)
     # Started by hand as a launcher would start one process (torchrun adds its own report of a failure).
     result = run([sys.executable, script, "--data-dir", str(data_dir), "--max-steps", "2", *args], timeout=120,
                  env={**NO_NETWORK, **launcher_env()}, check=False)
     assert_fails_clearly(result, expected)
-    assert metrics.read_text() == '{"earlier": "run"}'
+    assert metrics.read_text() == EARLIER
     assert all(p.read_bytes() == content for p, content in before.items()), "a file that was there changed"
 
 
