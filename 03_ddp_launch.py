@@ -26,7 +26,6 @@ WARMUP_STEPS = 5  # left out of samples_per_s: first steps pay for allocation an
 POSITIVE = ["epochs", "batch_size", "test_batch_size", "lr"]  # values > 0
 NOT_NEGATIVE = ["max_steps", "log_interval", "threads"]  # values >= 0
 
-
 class Net(nn.Module):
     """The classic PyTorch MNIST CNN (about 1.2 M parameters)."""
     def __init__(self, dropout=True):
@@ -51,12 +50,10 @@ class Net(nn.Module):
         x = self.dropout2(x)
         return self.fc2(x)
 
-
 def fail(message):
     """Bad input ends the run with one line on stderr, never a traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
-
 
 def parse_args(argv=None):
     """The flags, every value checked before any work starts: a bad one must not cost a run."""
@@ -78,18 +75,15 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     for name in POSITIVE + NOT_NEGATIVE:
         value = getattr(args, name)
-        allowed = value > 0 if name in POSITIVE else value >= 0
-        if not (allowed and math.isfinite(value)):
+        if not (0 < value < math.inf if name in POSITIVE else 0 <= value < math.inf):  # NaN: False
             kind = "positive" if name in POSITIVE else "zero or more"
             fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
     if not 0 <= args.seed < 2**32:
         fail(f"--seed must be in 0..2**32-1, got {args.seed}")
-    for path in filter(None, [args.metrics_json, args.save_model]):  # those given
-        folder = os.path.dirname(os.path.abspath(path))
-        if os.path.isdir(path) or not os.access(folder, os.W_OK):  # each is written into its folder
+    for path in filter(None, [args.metrics_json, args.save_model]):  # each written into its folder
+        if os.path.isdir(path) or not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
             fail(f"cannot write {path}: its folder does not exist or is not writable")
     return args
-
 
 def setup(args):
     """The one place that decides the device (in the DDP scripts: rank and world size too)."""
@@ -107,14 +101,12 @@ def setup(args):
                 backend=dist.get_backend(), master=rank == 0, local_rank=local_rank,
                 threads=threads, device=devices[0], devices=devices)
 
-
 def load_mnist(args, train):
     """(images, labels) of one split, normalised once: the input pipeline is never what we time."""
     if args.synthetic:
-        generator = torch.Generator().manual_seed(args.seed + train)
+        rng = torch.Generator().manual_seed(args.seed + train)
         n = 60000 if train else 10000
-        images = torch.randn(n, 1, 28, 28, generator=generator)
-        return images, torch.randint(0, 10, (n,), generator=generator)
+        return torch.randn(n, 1, 28, 28, generator=rng), torch.randint(0, 10, (n,), generator=rng)
     try:
         os.makedirs(args.data_dir, exist_ok=True)
         with open(os.path.join(args.data_dir, "download.lock"), "a") as lock:
@@ -126,15 +118,12 @@ def load_mnist(args, train):
     images = mnist.data.unsqueeze(1).float() / 255
     return (images - 0.1307) / 0.3081, mnist.targets  # MNIST's mean and standard deviation
 
-
 def batches(data, indices, batch_size):
-    """Batches taken from tensors on the device, the indices copied there once an epoch: no step
-    waits for the host. (Data too big for memory: a DataLoader, pin_memory, non_blocking copies.)"""
+    """Batches sliced from tensors on the device: no step waits for the host (or a DataLoader)."""
     images, labels = data
     index = torch.tensor(list(indices), device=images.device)
     for batch in index.split(batch_size):
         yield images[batch], labels[batch]
-
 
 def clock(device):
     """Seconds, read once the device has done its work: GPU work is queued, not yet done."""
@@ -142,12 +131,10 @@ def clock(device):
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
-
 def peak_memory_bytes(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS (KiB on Linux)
-
 
 def all_ranks(value, device, op=dist.ReduceOp.SUM):
     """value summed over all ranks (or their maximum, with op=MAX), on every rank."""
@@ -155,14 +142,12 @@ def all_ranks(value, device, op=dist.ReduceOp.SUM):
     dist.all_reduce(tensor, op=op)
     return tensor.item()
 
-
 def train_epoch(model, data, sampler, optimizer, args, ctx, epoch):
     """One epoch of this process's share of the data."""
     model.train()
     device = ctx["device"]
     steps = len(sampler) // args.batch_size  # the short last batch waits: one shape for every step
-    if args.max_steps:
-        steps = min(steps, args.max_steps)
+    steps = min(steps, args.max_steps or steps)
     warmup = min(WARMUP_STEPS, steps - 1) if epoch == 1 else 0  # at least one step is timed
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for each_device in ctx["devices"]:  # on GPUs: the peak of training, not of loading the data
@@ -192,20 +177,17 @@ def train_epoch(model, data, sampler, optimizer, args, ctx, epoch):
                 train_loss=loss_sum / samples, train_time_s=time_s, steady_time_s=steady_time_s,
                 peak_memory_bytes=max(memory), peak_memory_per_device=memory)
 
-
 @torch.no_grad()
 def evaluate(net, data, indices, args, ctx):
     """Loss and accuracy over this process's test images."""
     net.eval()
-    loss_sum, correct, count = 0.0, 0, 0
+    loss_sum, correct, count = 0.0, 0, len(indices)
     for images, labels in batches(data, indices, args.test_batch_size):
         output = net(images)
         loss_sum += F.cross_entropy(output, labels, reduction="sum").item()
         correct += (output.argmax(dim=1) == labels).sum().item()
-        count += len(labels)
     loss_sum, correct, count = (all_ranks(x, ctx["device"]) for x in (loss_sum, correct, count))
     return dict(test_loss=loss_sum / count, test_accuracy=correct / count, test_samples=int(count))
-
 
 def metrics_record(args, ctx, epochs):
     """The run's record, for the harness in bench/ (keys are added, never renamed)."""
@@ -223,13 +205,6 @@ def metrics_record(args, ctx, epochs):
         test_accuracy=epochs[-1]["test_accuracy"], test_loss=epochs[-1]["test_loss"],
         peak_memory_bytes=max(e["peak_memory_bytes"] for e in epochs), synthetic=args.synthetic)
 
-
-def write_json_atomically(path, record):
-    with open(f"{path}.tmp", "w") as f:
-        json.dump(record, f, indent=2)
-    os.replace(f"{path}.tmp", path)  # a reader never sees half a file, a crash never leaves one
-
-
 def run(args, ctx):
     device = ctx["device"]
     torch.manual_seed(args.seed + ctx["rank"])  # its own dropout masks; DDP copies rank 0's weights
@@ -246,25 +221,20 @@ def run(args, ctx):
     test_indices = range(ctx["rank"], test_size, ctx["world_size"])
     if len(sampler) < args.batch_size:
         fail(f"--batch-size {args.batch_size} is more than the {len(sampler)} training images")
-
     net = Net(dropout=not args.no_dropout).to(device)
     model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
-
     epochs = []
     for epoch in range(1, args.epochs + 1):
         sampler.set_epoch(epoch)
-        lr = scheduler.get_last_lr()[0]
         train = train_epoch(model, train_data, sampler, optimizer, args, ctx, epoch)
-        scheduler.step()
         test = evaluate(net, test_data, test_indices, args, ctx)
-        epochs.append(dict(epoch=epoch, lr=lr, **train, **test))
+        epochs.append(dict(epoch=epoch, lr=scheduler.get_last_lr()[0], **train, **test))
+        scheduler.step()
         if ctx["master"]:
-            print(f"epoch {epoch}: train loss {train['train_loss']:.4f}, test loss "
-                  f"{test['test_loss']:.4f}, accuracy {test['test_accuracy']:.2%} of "
-                  f"{test['test_samples']} images, {train['train_time_s']:.1f} s", flush=True)
-
+            print(f"epoch {epoch}: train loss {train['train_loss']:.4f}, accuracy "
+                  f"{test['test_accuracy']:.2%} of {test['test_samples']} test images", flush=True)
     record = metrics_record(args, ctx, epochs)
     if ctx["master"]:
         note = " (synthetic data: the accuracy means nothing)" if args.synthetic else ""
@@ -272,15 +242,12 @@ def run(args, ctx):
               f"{device}{note}")
         if args.save_model:
             torch.save(net.state_dict(), args.save_model)
-        if args.metrics_json:
-            write_json_atomically(args.metrics_json, record)
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    run(args, setup(args))
-    dist.destroy_process_group()
-
+        if args.metrics_json:  # whole or not at all: renamed once written
+            with open(f"{args.metrics_json}.tmp", "w") as f:
+                json.dump(record, f, indent=2)
+            os.replace(f"{args.metrics_json}.tmp", args.metrics_json)
 
 if __name__ == "__main__":
-    main()
+    args = parse_args()
+    run(args, setup(args))
+    dist.destroy_process_group()

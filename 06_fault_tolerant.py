@@ -30,7 +30,6 @@ WARMUP_STEPS = 5  # left out of samples_per_s: first steps pay for allocation an
 POSITIVE = ["epochs", "batch_size", "test_batch_size", "lr", "timeout"]  # values > 0
 NOT_NEGATIVE = ["max_steps", "log_interval", "threads", "snapshot_every"]  # values >= 0
 
-
 class Net(nn.Module):
     """The classic PyTorch MNIST CNN (about 1.2 M parameters)."""
     def __init__(self, dropout=True):
@@ -55,12 +54,10 @@ class Net(nn.Module):
         x = self.dropout2(x)
         return self.fc2(x)
 
-
 def fail(message):
     """Bad input ends the run with one line on stderr, never a traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
-
 
 def parse_args(argv=None):
     """The flags, every value checked before any work starts: a bad one must not cost a run."""
@@ -85,18 +82,15 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     for name in POSITIVE + NOT_NEGATIVE:
         value = getattr(args, name)
-        allowed = value > 0 if name in POSITIVE else value >= 0
-        if not (allowed and math.isfinite(value)):
+        if not (0 < value < math.inf if name in POSITIVE else 0 <= value < math.inf):  # NaN: False
             kind = "positive" if name in POSITIVE else "zero or more"
             fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
     if not 0 <= args.seed < 2**32:
         fail(f"--seed must be in 0..2**32-1, got {args.seed}")
     for path in filter(None, [args.metrics_json, args.save_model, args.snapshot]):  # those given
-        folder = os.path.dirname(os.path.abspath(path))
-        if os.path.isdir(path) or not os.access(folder, os.W_OK):  # each is written into its folder
+        if os.path.isdir(path) or not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
             fail(f"cannot write {path}: its folder does not exist or is not writable")
     return args
-
 
 def attempt_store(args, rank):
     """torchrun's agent keeps one store across restarts, holding the dead attempt's keys, and counts
@@ -108,7 +102,6 @@ def attempt_store(args, rank):
                           is_master=False, timeout=timedelta(seconds=args.timeout))
     starts = store.add(f"starts/rank{rank}", 1)
     return dist.PrefixStore(f"attempt{starts}/", store)
-
 
 def setup(args):
     """The one place that decides the device (in the DDP scripts: rank and world size too)."""
@@ -134,14 +127,12 @@ def setup(args):
                 backend=dist.get_backend(), master=rank == 0, local_rank=local_rank,
                 threads=threads, device=devices[0], devices=devices)
 
-
 def load_mnist(args, train):
     """(images, labels) of one split, normalised once: the input pipeline is never what we time."""
     if args.synthetic:
-        generator = torch.Generator().manual_seed(args.seed + train)
+        rng = torch.Generator().manual_seed(args.seed + train)
         n = 60000 if train else 10000
-        images = torch.randn(n, 1, 28, 28, generator=generator)
-        return images, torch.randint(0, 10, (n,), generator=generator)
+        return torch.randn(n, 1, 28, 28, generator=rng), torch.randint(0, 10, (n,), generator=rng)
     try:
         os.makedirs(args.data_dir, exist_ok=True)
         with open(os.path.join(args.data_dir, "download.lock"), "a") as lock:
@@ -153,15 +144,12 @@ def load_mnist(args, train):
     images = mnist.data.unsqueeze(1).float() / 255
     return (images - 0.1307) / 0.3081, mnist.targets  # MNIST's mean and standard deviation
 
-
 def batches(data, indices, batch_size):
-    """Batches taken from tensors on the device, the indices copied there once an epoch: no step
-    waits for the host. (Data too big for memory: a DataLoader, pin_memory, non_blocking copies.)"""
+    """Batches sliced from tensors on the device: no step waits for the host (or a DataLoader)."""
     images, labels = data
     index = torch.tensor(list(indices), device=images.device)
     for batch in index.split(batch_size):
         yield images[batch], labels[batch]
-
 
 def clock(device):
     """Seconds, read once the device has done its work: GPU work is queued, not yet done."""
@@ -169,12 +157,10 @@ def clock(device):
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
-
 def peak_memory_bytes(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS (KiB on Linux)
-
 
 def all_ranks(value, device, op=dist.ReduceOp.SUM):
     """value summed over all ranks (or their maximum, with op=MAX), on every rank."""
@@ -182,12 +168,10 @@ def all_ranks(value, device, op=dist.ReduceOp.SUM):
     dist.all_reduce(tensor, op=op)
     return tensor.item()
 
-
 def rng_state(device):
     """The generators dropout draws from: the CPU's, and the GPU's where it runs."""
     gpu = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return torch.get_rng_state(), gpu
-
 
 def save_snapshot(path, ctx, net, optimizer, scheduler, epoch, step):
     """All an exact resume needs: weights, optimizer, schedule, position and every rank's RNG."""
@@ -198,7 +182,6 @@ def save_snapshot(path, ctx, net, optimizer, scheduler, epoch, step):
                      scheduler=scheduler.state_dict(), epoch=epoch, step=step, rngs=rngs)
         torch.save(state, f"{path}.tmp")
         os.replace(f"{path}.tmp", path)  # a kill during the save leaves the last snapshot whole
-
 
 def resume(path, ctx, net, optimizer, scheduler):
     """(epoch, step) to go on from. Rank 0 reads the snapshot and sends it to every rank: all resume
@@ -226,14 +209,12 @@ def resume(path, ctx, net, optimizer, scheduler):
         print(f"resuming from {path}: epoch {state['epoch']}, step {state['step']}", flush=True)
     return state["epoch"], state["step"]
 
-
 def train_epoch(model, data, sampler, optimizer, args, ctx, epoch, start_step=0, save=None):
     """One epoch of this process's share of the data."""
     model.train()
     device = ctx["device"]
     steps = len(sampler) // args.batch_size  # the short last batch waits: one shape for every step
-    if args.max_steps:
-        steps = min(steps, args.max_steps)
+    steps = min(steps, args.max_steps or steps)
     warmup = min(start_step + WARMUP_STEPS, steps - 1) if epoch == 1 or start_step else 0
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for each_device in ctx["devices"]:  # on GPUs: the peak of training, not of loading the data
@@ -266,20 +247,17 @@ def train_epoch(model, data, sampler, optimizer, args, ctx, epoch, start_step=0,
                 train_loss=loss_sum / samples, train_time_s=time_s, steady_time_s=steady_time_s,
                 peak_memory_bytes=max(memory), peak_memory_per_device=memory)
 
-
 @torch.no_grad()
 def evaluate(net, data, indices, args, ctx):
     """Loss and accuracy over this process's test images."""
     net.eval()
-    loss_sum, correct, count = 0.0, 0, 0
+    loss_sum, correct, count = 0.0, 0, len(indices)
     for images, labels in batches(data, indices, args.test_batch_size):
         output = net(images)
         loss_sum += F.cross_entropy(output, labels, reduction="sum").item()
         correct += (output.argmax(dim=1) == labels).sum().item()
-        count += len(labels)
     loss_sum, correct, count = (all_ranks(x, ctx["device"]) for x in (loss_sum, correct, count))
     return dict(test_loss=loss_sum / count, test_accuracy=correct / count, test_samples=int(count))
-
 
 def metrics_record(args, ctx, epochs):
     """The run's record, for the harness in bench/ (keys are added, never renamed)."""
@@ -297,13 +275,6 @@ def metrics_record(args, ctx, epochs):
         test_accuracy=epochs[-1]["test_accuracy"], test_loss=epochs[-1]["test_loss"],
         peak_memory_bytes=max(e["peak_memory_bytes"] for e in epochs), synthetic=args.synthetic)
 
-
-def write_json_atomically(path, record):
-    with open(f"{path}.tmp", "w") as f:
-        json.dump(record, f, indent=2)
-    os.replace(f"{path}.tmp", path)  # a reader never sees half a file, a crash never leaves one
-
-
 def run(args, ctx):
     device = ctx["device"]
     torch.manual_seed(args.seed + ctx["rank"])  # its own dropout masks; DDP copies rank 0's weights
@@ -320,7 +291,6 @@ def run(args, ctx):
     test_indices = range(ctx["rank"], test_size, ctx["world_size"])
     if len(sampler) < args.batch_size:
         fail(f"--batch-size {args.batch_size} is more than the {len(sampler)} training images")
-
     net = Net(dropout=not args.no_dropout).to(device)
     model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
@@ -337,20 +307,17 @@ def run(args, ctx):
     epochs = []
     for epoch in range(first_epoch, args.epochs + 1):
         sampler.set_epoch(epoch)
-        lr = scheduler.get_last_lr()[0]
         start = start_step if epoch == first_epoch else 0
         train = train_epoch(model, train_data, sampler, optimizer, args, ctx, epoch,
                             start_step=start, save=save if args.snapshot else None)
-        scheduler.step()
         test = evaluate(net, test_data, test_indices, args, ctx)
+        epochs.append(dict(epoch=epoch, lr=scheduler.get_last_lr()[0], **train, **test))
+        scheduler.step()
         if args.snapshot and epoch < args.epochs:  # the last one once the outputs are written
             save(epoch + 1, 0)
-        epochs.append(dict(epoch=epoch, lr=lr, **train, **test))
         if ctx["master"]:
-            print(f"epoch {epoch}: train loss {train['train_loss']:.4f}, test loss "
-                  f"{test['test_loss']:.4f}, accuracy {test['test_accuracy']:.2%} of "
-                  f"{test['test_samples']} images, {train['train_time_s']:.1f} s", flush=True)
-
+            print(f"epoch {epoch}: train loss {train['train_loss']:.4f}, accuracy "
+                  f"{test['test_accuracy']:.2%} of {test['test_samples']} test images", flush=True)
     record = metrics_record(args, ctx, epochs)
     if ctx["master"]:
         note = " (synthetic data: the accuracy means nothing)" if args.synthetic else ""
@@ -358,21 +325,18 @@ def run(args, ctx):
               f"{device}{note}")
         if args.save_model:
             torch.save(net.state_dict(), args.save_model)
-        if args.metrics_json:
-            write_json_atomically(args.metrics_json, record)
+        if args.metrics_json:  # whole or not at all: renamed once written
+            with open(f"{args.metrics_json}.tmp", "w") as f:
+                json.dump(record, f, indent=2)
+            os.replace(f"{args.metrics_json}.tmp", args.metrics_json)
     if args.snapshot:  # after the outputs: a restart before this redoes the last epoch
         save(args.epochs + 1, 0)
 
-
-def main(argv=None):
-    args = parse_args(argv)
+if __name__ == "__main__":
+    args = parse_args()
     ctx = setup(args)
     try:
         run(args, ctx)
     except RuntimeError as e:  # a peer died (gloo: RuntimeError) or --timeout passed: one line
         fail(f"rank {ctx['rank']} stopped (did another fail first?): {str(e).splitlines()[0]}")
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

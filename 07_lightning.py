@@ -50,7 +50,6 @@ for name in ["lightning.pytorch", "lightning.fabric"]:
 disable_possible_user_warnings()
 warnings.filterwarnings("ignore", ".*LeafSpec.*", FutureWarning)  # torch is newer than Lightning
 
-
 class Net(nn.Module):
     """The classic PyTorch MNIST CNN (about 1.2 M parameters)."""
     def __init__(self, dropout=True):
@@ -75,12 +74,10 @@ class Net(nn.Module):
         x = self.dropout2(x)
         return self.fc2(x)
 
-
 def fail(message):
     """Bad input ends the run with one line on stderr, never a traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
-
 
 def parse_args(argv=None):
     """The flags, every value checked before any work starts: a bad one must not cost a run."""
@@ -106,18 +103,15 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     for name in POSITIVE + NOT_NEGATIVE:
         value = getattr(args, name)
-        allowed = value > 0 if name in POSITIVE else value >= 0
-        if not (allowed and math.isfinite(value)):
+        if not (0 < value < math.inf if name in POSITIVE else 0 <= value < math.inf):  # NaN: False
             kind = "positive" if name in POSITIVE else "zero or more"
             fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
     if not 0 <= args.seed < 2**32:
         fail(f"--seed must be in 0..2**32-1, got {args.seed}")
-    for path in filter(None, [args.metrics_json, args.save_model]):  # those given
-        folder = os.path.dirname(os.path.abspath(path))
-        if os.path.isdir(path) or not os.access(folder, os.W_OK):  # each is written into its folder
+    for path in filter(None, [args.metrics_json, args.save_model]):  # each written into its folder
+        if os.path.isdir(path) or not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
             fail(f"cannot write {path}: its folder does not exist or is not writable")
     return args
-
 
 def check_launch(args):
     """Lightning's flags, checked here: the Trainer would stop with a traceback, or later."""
@@ -135,7 +129,6 @@ def check_launch(args):
         fail(f"the launcher started {launched[0]} processes on each of {launched[1]} nodes: "
              f"give --devices {launched[0]} --num-nodes {launched[1]}")
 
-
 def launcher_world():
     """(processes per node, nodes) when torchrun or srun started this process, else None."""
     if "LOCAL_WORLD_SIZE" in os.environ:  # torchrun
@@ -147,7 +140,6 @@ def launcher_world():
         return per_node, int(os.environ.get("SLURM_NNODES", 1))
     return None
 
-
 def setup(trainer, args):
     """The one place that decides rank, world size and device: here the Trainer has, we read it."""
     devices = [trainer.strategy.root_device]
@@ -158,14 +150,12 @@ def setup(trainer, args):
                 master=trainer.is_global_zero, local_rank=trainer.local_rank,
                 threads=threads, device=devices[0], devices=devices)
 
-
 def load_mnist(args, train):
     """(images, labels) of one split, normalised once: the input pipeline is never what we time."""
     if args.synthetic:
-        generator = torch.Generator().manual_seed(args.seed + train)
+        rng = torch.Generator().manual_seed(args.seed + train)
         n = 60000 if train else 10000
-        images = torch.randn(n, 1, 28, 28, generator=generator)
-        return images, torch.randint(0, 10, (n,), generator=generator)
+        return torch.randn(n, 1, 28, 28, generator=rng), torch.randint(0, 10, (n,), generator=rng)
     try:
         os.makedirs(args.data_dir, exist_ok=True)
         with open(os.path.join(args.data_dir, "download.lock"), "a") as lock:
@@ -177,15 +167,12 @@ def load_mnist(args, train):
     images = mnist.data.unsqueeze(1).float() / 255
     return (images - 0.1307) / 0.3081, mnist.targets  # MNIST's mean and standard deviation
 
-
 def batches(data, indices, batch_size):
-    """Batches taken from tensors on the device, the indices copied there once an epoch: no step
-    waits for the host. (Data too big for memory: a DataLoader, pin_memory, non_blocking copies.)"""
+    """Batches sliced from tensors on the device: no step waits for the host (or a DataLoader)."""
     images, labels = data
     index = torch.tensor(list(indices), device=images.device)
     for batch in index.split(batch_size):
         yield images[batch], labels[batch]
-
 
 class Batches:
     """batches() as Lightning wants a loader: a length, and a new pass each epoch. Training leaves
@@ -204,19 +191,16 @@ class Batches:
         order = list(self.indices)[:len(self) * self.batch_size]
         yield from batches(self.data, order, self.batch_size)
 
-
 def clock(device):
     """Seconds, read once the device has done its work: GPU work is queued, not yet done."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
-
 def peak_memory_bytes(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS (KiB on Linux)
-
 
 def all_ranks(value, device, op=dist.ReduceOp.SUM):
     """value summed over all ranks (or their maximum, with op=MAX), on every rank."""
@@ -224,7 +208,6 @@ def all_ranks(value, device, op=dist.ReduceOp.SUM):
     if dist.is_initialized():  # Lightning starts no process group for one device
         dist.all_reduce(tensor, op=op)
     return tensor.item()
-
 
 class MNISTModule(L.LightningModule):
     """The model, its data and its optimizer, in the hooks the Trainer calls: Lightning writes the
@@ -299,7 +282,6 @@ class MNISTModule(L.LightningModule):
         self.test = dict(test_loss=loss_sum / count, test_accuracy=correct / count,
                          test_samples=int(count))
 
-
 def metrics_record(args, ctx, epochs):
     """The run's record, for the harness in bench/ (keys are added, never renamed)."""
     steady_samples = sum(e["steady_samples"] for e in epochs)
@@ -315,13 +297,6 @@ def metrics_record(args, ctx, epochs):
         steady_time_s=steady_time_s, epochs_detail=epochs, torch_version=torch.__version__,
         test_accuracy=epochs[-1]["test_accuracy"], test_loss=epochs[-1]["test_loss"],
         peak_memory_bytes=max(e["peak_memory_bytes"] for e in epochs), synthetic=args.synthetic)
-
-
-def write_json_atomically(path, record):
-    with open(f"{path}.tmp", "w") as f:
-        json.dump(record, f, indent=2)
-    os.replace(f"{path}.tmp", path)  # a reader never sees half a file, a crash never leaves one
-
 
 class Metrics(L.Callback):
     """03's clocks, sums, epoch lines and metrics record, outside the model as Lightning intends:
@@ -372,9 +347,8 @@ class Metrics(L.Callback):
         test = module.test
         self.epochs.append(dict(epoch=epoch, lr=self.lr, **train, **test))
         if trainer.is_global_zero:
-            print(f"epoch {epoch}: train loss {train['train_loss']:.4f}, test loss "
-                  f"{test['test_loss']:.4f}, accuracy {test['test_accuracy']:.2%} of "
-                  f"{test['test_samples']} images, {train['train_time_s']:.1f} s", flush=True)
+            print(f"epoch {epoch}: train loss {train['train_loss']:.4f}, accuracy "
+                  f"{test['test_accuracy']:.2%} of {test['test_samples']} test images", flush=True)
 
     def on_train_end(self, trainer, module):
         args, ctx = self.args, module.ctx
@@ -385,9 +359,10 @@ class Metrics(L.Callback):
                   f"{ctx['world_size']}, {ctx['device']}{note}")
             if args.save_model:
                 torch.save(module.net.state_dict(), args.save_model)
-            if args.metrics_json:
-                write_json_atomically(args.metrics_json, record)
-
+            if args.metrics_json:  # whole or not at all: renamed once written
+                with open(f"{args.metrics_json}.tmp", "w") as f:
+                    json.dump(record, f, indent=2)
+                os.replace(f"{args.metrics_json}.tmp", args.metrics_json)
 
 def main(argv=None):
     args = parse_args(argv)
@@ -408,7 +383,6 @@ def main(argv=None):
     except RuntimeError as e:  # a peer died (gloo: RuntimeError; NCCL: DistError, a subclass)
         fail(f"rank {trainer.global_rank} stopped (did another fail first?): "
              f"{str(e).splitlines()[0]}")
-
 
 if __name__ == "__main__":
     main()

@@ -1,12 +1,14 @@
 """The trainers, run as a user runs them: they learn, agree with each other, and count every test image once."""
 import json
 import os
+import runpy
 import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.data import DistributedSampler
 
 from conftest import (NO_NETWORK, QUICK_TEST_IMAGES, ROOT, SCRIPTS, evaluate_on_one_process,
                       launcher_env, load_script, run, run_two_nodes, script_command)
@@ -120,21 +122,22 @@ def test_evaluation_counts_every_test_image_once(world_size, quick_mnist_dir, tm
 
 
 def test_each_epoch_has_its_own_shuffle_and_the_group_is_destroyed(quick_mnist_dir, monkeypatch):
-    """In-process, as a world of one: record the training batches of two epochs."""
-    module = load_script("03_ddp_launch.py")
+    """03 run in this process as `python 03_ddp_launch.py` under a launcher, a world of one: the first training
+    batch of each of two epochs is recorded as the sampler hands out its order."""
     seen = []
-    real_batches = module.batches
+    real_iter = DistributedSampler.__iter__
 
-    def recording_batches(data, indices, batch_size):
-        if batch_size == 8:  # the training batches (the test batches are 1,000)
-            seen.append(list(indices)[:8])
-        return real_batches(data, indices, batch_size)
+    def recording_iter(sampler):  # evaluation takes no sampler: every call is training's
+        order = list(real_iter(sampler))
+        seen.append(order[:8])
+        return iter(order)
 
-    monkeypatch.setattr(module, "batches", recording_batches)
+    monkeypatch.setattr(DistributedSampler, "__iter__", recording_iter)
     for key, value in launcher_env().items():
         monkeypatch.setenv(key, value)
-    module.main(["--data-dir", str(quick_mnist_dir), "--epochs", "2", "--max-steps", "2", "--batch-size", "8",
-                 "--log-interval", "0", "--cpu"])
+    monkeypatch.setattr(sys, "argv", ["03_ddp_launch.py", "--data-dir", str(quick_mnist_dir), "--epochs", "2",
+                                      "--max-steps", "2", "--batch-size", "8", "--log-interval", "0", "--cpu"])
+    runpy.run_path(str(ROOT / "03_ddp_launch.py"), run_name="__main__")
     assert len(seen) == 2 and seen[0] != seen[1]
     assert not dist.is_initialized()
 
