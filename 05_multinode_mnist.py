@@ -88,7 +88,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     for name in POSITIVE + NOT_NEGATIVE:
         value = getattr(args, name)
-        if not (0 < value < math.inf if name in POSITIVE else 0 <= value < math.inf):  # NaN: False
+        if not (0 < value < math.inf if name in POSITIVE else 0 <= value < math.inf):  # NaN too
             kind = "positive" if name in POSITIVE else "zero or more"
             fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
     if not 0 <= args.seed < 2**32:
@@ -130,11 +130,10 @@ def load_mnist(args, train):
     except Exception as e:
         fail(f"MNIST could not be loaded from {args.data_dir}/MNIST/raw ({type(e).__name__}: "
              f"{str(e)[:150]!r}); delete a corrupt file to download it again, or use --synthetic")
-    images = mnist.data.unsqueeze(1).float() / 255
-    return (images - 0.1307) / 0.3081, mnist.targets  # MNIST's mean and standard deviation
+    return (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, mnist.targets  # MNIST's mean, std
 
 def batches(data, indices, batch_size):
-    """Batches sliced from tensors on the device: no step waits for the host (or a DataLoader)."""
+    """Batches sliced from tensors on the device: no step waits for the host or a DataLoader."""
     images, labels = data
     index = torch.tensor(list(indices), device=images.device)
     for batch in index.split(batch_size):
@@ -161,7 +160,7 @@ def train_epoch(model, data, sampler, optimizer, args, ctx, epoch):
     """One epoch of this process's share of the data."""
     model.train()
     device = ctx["device"]
-    steps = len(sampler) // args.batch_size  # the short last batch waits: one shape for every step
+    steps = len(sampler) // args.batch_size  # full batches only: one shape for every step
     steps = min(steps, args.max_steps or steps)
     warmup = min(WARMUP_STEPS, steps - 1) if epoch == 1 else 0  # at least one step is timed
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -194,7 +193,7 @@ def train_epoch(model, data, sampler, optimizer, args, ctx, epoch):
 
 @torch.no_grad()
 def evaluate(net, data, indices, args, ctx):
-    """Loss and accuracy over this process's test images."""
+    """Loss and accuracy on the test set: this process scores its share (in DDP: totals of all)."""
     net.eval()
     loss_sum, correct, count = 0.0, 0, len(indices)
     for images, labels in batches(data, indices, args.test_batch_size):
@@ -240,6 +239,7 @@ def run(args, ctx):
     model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+
     epochs = []
     for epoch in range(1, args.epochs + 1):
         sampler.set_epoch(epoch)

@@ -82,7 +82,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     for name in POSITIVE + NOT_NEGATIVE:
         value = getattr(args, name)
-        if not (0 < value < math.inf if name in POSITIVE else 0 <= value < math.inf):  # NaN: False
+        if not (0 < value < math.inf if name in POSITIVE else 0 <= value < math.inf):  # NaN too
             kind = "positive" if name in POSITIVE else "zero or more"
             fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
     if not 0 <= args.seed < 2**32:
@@ -122,7 +122,8 @@ def setup(args):
                                 timeout=timedelta(seconds=args.timeout),
                                 device_id=devices[0] if cuda else None)
     except dist.DistError as e:
-        fail(f"rank {rank} could not join the others: {str(e).splitlines()[0]}")
+        why = (str(e) or type(e).__name__).splitlines()[0]  # the first line says it
+        fail(f"rank {rank} could not join the others: {why}")
     return dict(rank=rank, world_size=world_size, nodes=world_size // local_world_size,
                 backend=dist.get_backend(), master=rank == 0, local_rank=local_rank,
                 threads=threads, device=devices[0], devices=devices)
@@ -141,11 +142,10 @@ def load_mnist(args, train):
     except Exception as e:
         fail(f"MNIST could not be loaded from {args.data_dir}/MNIST/raw ({type(e).__name__}: "
              f"{str(e)[:150]!r}); delete a corrupt file to download it again, or use --synthetic")
-    images = mnist.data.unsqueeze(1).float() / 255
-    return (images - 0.1307) / 0.3081, mnist.targets  # MNIST's mean and standard deviation
+    return (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, mnist.targets  # MNIST's mean, std
 
 def batches(data, indices, batch_size):
-    """Batches sliced from tensors on the device: no step waits for the host (or a DataLoader)."""
+    """Batches sliced from tensors on the device: no step waits for the host or a DataLoader."""
     images, labels = data
     index = torch.tensor(list(indices), device=images.device)
     for batch in index.split(batch_size):
@@ -213,7 +213,7 @@ def train_epoch(model, data, sampler, optimizer, args, ctx, epoch, start_step=0,
     """One epoch of this process's share of the data."""
     model.train()
     device = ctx["device"]
-    steps = len(sampler) // args.batch_size  # the short last batch waits: one shape for every step
+    steps = len(sampler) // args.batch_size  # full batches only: one shape for every step
     steps = min(steps, args.max_steps or steps)
     warmup = min(start_step + WARMUP_STEPS, steps - 1) if epoch == 1 or start_step else 0
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -249,7 +249,7 @@ def train_epoch(model, data, sampler, optimizer, args, ctx, epoch, start_step=0,
 
 @torch.no_grad()
 def evaluate(net, data, indices, args, ctx):
-    """Loss and accuracy over this process's test images."""
+    """Loss and accuracy on the test set: this process scores its share (in DDP: totals of all)."""
     net.eval()
     loss_sum, correct, count = 0.0, 0, len(indices)
     for images, labels in batches(data, indices, args.test_batch_size):
@@ -304,12 +304,13 @@ def run(args, ctx):
         if ctx["master"]:
             print(f"{args.snapshot} has all {args.epochs} epochs: nothing to do", file=sys.stderr)
         return
+
     epochs = []
     for epoch in range(first_epoch, args.epochs + 1):
         sampler.set_epoch(epoch)
-        start = start_step if epoch == first_epoch else 0
+        first_step = start_step if epoch == first_epoch else 0
         train = train_epoch(model, train_data, sampler, optimizer, args, ctx, epoch,
-                            start_step=start, save=save if args.snapshot else None)
+                            start_step=first_step, save=save if args.snapshot else None)
         test = evaluate(net, test_data, test_indices, args, ctx)
         epochs.append(dict(epoch=epoch, lr=scheduler.get_last_lr()[0], **train, **test))
         scheduler.step()
@@ -338,5 +339,6 @@ if __name__ == "__main__":
     try:
         run(args, ctx)
     except RuntimeError as e:  # a peer died (gloo: RuntimeError) or --timeout passed: one line
-        fail(f"rank {ctx['rank']} stopped (did another fail first?): {str(e).splitlines()[0]}")
+        why = (str(e) or type(e).__name__).splitlines()[0]  # the first line says it
+        fail(f"rank {ctx['rank']} stopped (did another fail first?): {why}")
     dist.destroy_process_group()

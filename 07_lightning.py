@@ -103,7 +103,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     for name in POSITIVE + NOT_NEGATIVE:
         value = getattr(args, name)
-        if not (0 < value < math.inf if name in POSITIVE else 0 <= value < math.inf):  # NaN: False
+        if not (0 < value < math.inf if name in POSITIVE else 0 <= value < math.inf):  # NaN too
             kind = "positive" if name in POSITIVE else "zero or more"
             fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
     if not 0 <= args.seed < 2**32:
@@ -164,11 +164,10 @@ def load_mnist(args, train):
     except Exception as e:
         fail(f"MNIST could not be loaded from {args.data_dir}/MNIST/raw ({type(e).__name__}: "
              f"{str(e)[:150]!r}); delete a corrupt file to download it again, or use --synthetic")
-    images = mnist.data.unsqueeze(1).float() / 255
-    return (images - 0.1307) / 0.3081, mnist.targets  # MNIST's mean and standard deviation
+    return (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, mnist.targets  # MNIST's mean, std
 
 def batches(data, indices, batch_size):
-    """Batches sliced from tensors on the device: no step waits for the host (or a DataLoader)."""
+    """Batches sliced from tensors on the device: no step waits for the host or a DataLoader."""
     images, labels = data
     index = torch.tensor(list(indices), device=images.device)
     for batch in index.split(batch_size):
@@ -382,7 +381,7 @@ def main(argv=None):
         trainer.fit(module)
     except RuntimeError as e:  # a peer died (gloo: RuntimeError; NCCL: DistError, a subclass)
         fail(f"rank {trainer.global_rank} stopped (did another fail first?): "
-             f"{str(e).splitlines()[0]}")
+             f"{(str(e) or type(e).__name__).splitlines()[0]}")
 
 if __name__ == "__main__":
     main()
