@@ -32,12 +32,21 @@ def definitions(script):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
 
 
+def metrics_writes(script):
+    """The code of each block that writes --metrics-json (test_reliability.py interrupts 01's)."""
+    tree = ast.parse((ROOT / script).read_text())
+    return [ast.unparse(node) for node in ast.walk(tree)
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "args.metrics_json"]
+
+
 def test_the_scripts_share_model_data_pipeline_and_evaluation_word_for_word():
-    reference = definitions(SCRIPTS[0])
+    reference, write = definitions(SCRIPTS[0]), metrics_writes(SCRIPTS[0])
+    assert len(write) == 1
     for script in [*SCRIPTS[1:], "07_lightning.py"]:
         mine = definitions(script)
         for name in SHARED:
             assert mine.get(name) == reference[name], f"{script}: {name} differs from {SCRIPTS[0]}'s"
+        assert metrics_writes(script) == write, f"{script} writes --metrics-json otherwise than {SCRIPTS[0]}"
 
 
 def test_each_script_is_the_one_before_plus_a_small_diff_in_short_lines():
