@@ -92,6 +92,10 @@ def parse_args(argv=None):
             fail(f"cannot write {path}: its folder does not exist or is not writable")
     return args
 
+def first_line(error):
+    """An exception in one line: its message's first, or its type when it has no message."""
+    return (str(error) or type(error).__name__).splitlines()[0]
+
 def attempt_store(args, rank):
     """torchrun's agent keeps one store across restarts, holding the dead attempt's keys, and counts
     restarts per node (TORCHELASTIC_RESTART_COUNT differs between nodes). Keys under a prefix that
@@ -122,8 +126,7 @@ def setup(args):
                                 timeout=timedelta(seconds=args.timeout),
                                 device_id=devices[0] if cuda else None)
     except dist.DistError as e:
-        why = (str(e) or type(e).__name__).splitlines()[0]  # the first line says it
-        fail(f"rank {rank} could not join the others: {why}")
+        fail(f"rank {rank} could not join the others: {first_line(e)}")
     return dict(rank=rank, world_size=world_size, nodes=world_size // local_world_size,
                 backend=dist.get_backend(), master=rank == 0, local_rank=local_rank,
                 threads=threads, device=devices[0], devices=devices)
@@ -339,6 +342,5 @@ if __name__ == "__main__":
     try:
         run(args, ctx)
     except RuntimeError as e:  # a peer died (gloo: RuntimeError) or --timeout passed: one line
-        why = (str(e) or type(e).__name__).splitlines()[0]  # the first line says it
-        fail(f"rank {ctx['rank']} stopped (did another fail first?): {why}")
+        fail(f"rank {ctx['rank']} stopped (did another fail first?): {first_line(e)}")
     dist.destroy_process_group()

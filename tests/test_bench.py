@@ -1,4 +1,5 @@
 """The benchmark harness, run as a user runs it: `python bench/run_all.py ...` on the CPU with tiny settings."""
+import dataclasses
 import json
 import os
 import stat
@@ -183,7 +184,7 @@ def test_a_gpu_sweep_counts_a_run_that_trained_on_the_cpu_as_failed():
     assert runner.status(0, False, {"device_type": "cuda"}, settings) == ("ok", "")
     state, error = runner.status(0, False, {"device_type": "cpu"}, settings)
     assert state == "failed" and "trained on cpu, not on a GPU" in error
-    assert runner.status(0, False, {"device_type": "cpu"}, plan.Settings(**{**vars(settings), "gpus": []}))[0] == "ok"
+    assert runner.status(0, False, {"device_type": "cpu"}, dataclasses.replace(settings, gpus=[]))[0] == "ok"
 
 
 def test_time_to_target_counts_training_time_until_the_first_epoch_at_target():
@@ -227,8 +228,8 @@ def test_unwritable_output_and_missing_data_are_refused_before_any_run(tmp_path)
 
 # ---- every mode takes the harness's commands; a real sweep: a failed run does not stop it, --resume redoes it
 
-@pytest.mark.parametrize("settings", [gpu_settings(["0", "1", "2", "3"]), plan.Settings(
-    **{**vars(gpu_settings([])), "max_n": 2, "synthetic": False, "max_steps": 6})], ids=["4 GPUs", "2 CPU processes"])
+@pytest.mark.parametrize("settings", [gpu_settings(["0", "1", "2", "3"]), dataclasses.replace(
+    gpu_settings([]), max_n=2, synthetic=False, max_steps=6)], ids=["4 GPUs", "2 CPU processes"])
 def test_every_script_accepts_the_commands_the_harness_gives_it(settings, tmp_path):
     """Each planned command's script flags, parsed by that script's own parse_args (the sweep below runs some
     of the modes for real; tests/test_trainers.py trains every mode as a user starts it)."""
