@@ -2,7 +2,6 @@
 
     python 01_single_gpu.py                               # MNIST in ./data (downloaded if missing)
     python 01_single_gpu.py --synthetic --max-steps 100   # random data, throughput only
-    CUDA_VISIBLE_DEVICES=1 python 01_single_gpu.py        # choose the GPU
 """
 import argparse
 import json
@@ -109,9 +108,8 @@ def load_mnist(args, train):
     try:
         mnist = datasets.MNIST(args.data_dir, train=train, download=True)
     except Exception as e:
-        sys.exit(f"error: MNIST could not be loaded from {args.data_dir}/MNIST/raw "
-                 f"({type(e).__name__}: {str(e)[:150]!r}); delete a corrupt file to download it "
-                 "again, or use --synthetic")
+        sys.exit(f"error: MNIST could not be loaded from {args.data_dir} ({type(e).__name__}: "
+                 f"{str(e)[:150]!r}); delete a corrupt file to download again, or use --synthetic")
     return (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, mnist.targets  # MNIST's mean, std
 
 
@@ -156,13 +154,14 @@ def run(args, world):
     torch.manual_seed(args.seed)
     train_data = [t.to(world.device) for t in load_mnist(args, train=True)]  # 188 MB: fits any GPU
     test_data = [t.to(world.device) for t in load_mnist(args, train=False)]
-    sampler = DistributedSampler(range(len(train_data[1])), num_replicas=1, rank=0, seed=args.seed)
-    test_indices = range(len(test_data[1]))
+    train_size, test_size = len(train_data[1]), len(test_data[1])
+    sampler = DistributedSampler(range(train_size), num_replicas=1, rank=0, seed=args.seed)
+    test_indices = range(test_size)
     steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))  # full batches
     if steps == 0:
-        sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(sampler)} "
-                 "training images")
-    model = net = Net(dropout=not args.no_dropout).to(world.device)
+        sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(sampler)} images")
+    net = Net(dropout=not args.no_dropout).to(world.device)
+    model = net
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     epochs = []  # measure: each epoch's timing and results
@@ -208,11 +207,11 @@ def timed(train_batches, world, epochs):
         yield images, labels
     end = clock(device)
     peak = None if device.type == "cpu" else torch.accelerator.max_memory_allocated(device)
-    steps = step + 1
-    epochs.append(dict(steps=steps, train_samples=steps * len(labels),
-                       steady_samples=(steps - len(starts) + 1) * len(labels),
-                       train_time_s=end - starts[0], steady_time_s=end - starts[-1],
-                       peak_memory_bytes=peak))  # None on the CPU: its RSS is mostly PyTorch
+    steps, batch = step + 1, len(labels)
+    seconds = [end - starts[0], end - starts[-1]]  # of all the steps, and of those timed
+    epochs.append(dict(steps=steps, train_samples=steps * batch,
+                       steady_samples=(steps - len(starts) + 1) * batch, train_time_s=seconds[0],
+                       steady_time_s=seconds[1], peak_memory_bytes=peak))  # peak: None on the CPU
 
 
 def write_record(path, args, world, epochs):
