@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import NO_NETWORK, launcher_env, load_script, run, script_command
+from conftest import NO_NETWORK, ROOT, launcher_env, load_script, run, script_command
 
 
 def corrupt(name, how):
@@ -22,34 +22,45 @@ def corrupt(name, how):
 # Refused when the flags are parsed, before any work: each checked in this process (a subprocess per case
 # would spend most of its seconds importing torch). id: (script, arguments, what the error line must say)
 FLAGS = {
-    "learning rate not a number": ("01_single_gpu.py", ["--lr", "nan"], "--lr must be positive"),
-    "learning rate infinite": ("03_ddp_launch.py", ["--lr", "inf"], "--lr must be positive"),
-    "seed negative": ("01_single_gpu.py", ["--seed", "-1"], "--seed must be in"),
-    "seed too large": ("04_ddp_spawn.py", ["--seed", str(2**32)], "--seed must be in"),
-    "epochs 0": ("03_ddp_launch.py", ["--epochs", "0"], "--epochs must be positive"),
-    "test batch size negative": ("05_multinode_mnist.py", ["--test-batch-size", "-5"], "must be positive"),
-    "max steps negative": ("02_data_parallel.py", ["--max-steps", "-1"], "--max-steps must be zero or more"),
-    "log interval negative": ("06_fault_tolerant.py", ["--log-interval", "-1"], "--log-interval must be zero"),
-    "threads negative": ("05_multinode_mnist.py", ["--threads", "-2"], "--threads must be zero or more"),
-    "nprocs 0": ("04_ddp_spawn.py", ["--nprocs", "0"], "--nprocs must be positive"),
-    "nodes 0": ("05_multinode_mnist.py", ["-n", "0"], "--nodes must be positive"),
-    "gpus per node 0": ("05_multinode_mnist.py", ["-g", "0"], "--gpus must be positive"),
+    "learning rate not a number": ("01_single_gpu.py", ["--lr", "nan"], "argument --lr: must be in"),
+    "learning rate infinite": ("03_ddp_launch.py", ["--lr", "inf"], "argument --lr: must be in"),
+    "learning rate negative": ("02_data_parallel.py", ["--lr", "-1"], "argument --lr: must be in"),
+    "seed negative": ("01_single_gpu.py", ["--seed", "-1"], "argument --seed: must be in"),
+    "seed too large": ("04_ddp_spawn.py", ["--seed", str(2**32)], "argument --seed: must be in"),
+    "epochs 0": ("03_ddp_launch.py", ["--epochs", "0"], "argument --epochs: must be in"),
+    "epochs not a number": ("01_single_gpu.py", ["--epochs", "two"], "argument --epochs: invalid"),
+    "test batch size negative": ("05_multinode_mnist.py", ["--test-batch-size", "-5"], "--test-batch-size"),
+    "max steps negative": ("02_data_parallel.py", ["--max-steps", "-1"], "argument --max-steps: must be in"),
+    "log interval negative": ("06_fault_tolerant.py", ["--log-interval", "-1"], "argument --log-interval"),
+    "threads negative": ("05_multinode_mnist.py", ["--threads", "-2"], "argument --threads: must be in"),
+    "nprocs 0": ("04_ddp_spawn.py", ["--nprocs", "0"], "argument --nprocs"),
+    "nodes 0": ("05_multinode_mnist.py", ["-n", "0"], "--nodes"),
+    "gpus per node 0": ("05_multinode_mnist.py", ["-g", "0"], "--gpus"),
     "node rank outside": ("05_multinode_mnist.py", ["-n", "2", "--nr", "2"], "outside 0..1"),
-    "port not a port": ("04_ddp_spawn.py", ["--master-port", "70000"], "not a port number"),
+    "port not a port": ("04_ddp_spawn.py", ["--master-port", "70000"], "argument --master-port"),
     "metrics folder missing": ("01_single_gpu.py", ["--metrics-json", "{tmp}/missing/m.json"], "cannot write"),
     "metrics path is a folder": ("04_ddp_spawn.py", ["--metrics-json", "{tmp}"], "cannot write"),
+    # The write is tried, not guessed from the folder's mode bits: a file where a folder should be, a folder
+    # no one may write in (root too), each refused before any work.
+    "metrics folder is a file": ("03_ddp_launch.py", ["--metrics-json", "{tmp}/metrics.json/m.json"],
+                                 "cannot write"),
+    "metrics folder not writable": ("02_data_parallel.py", ["--metrics-json", "/proc/m.json"], "cannot write"),
     "model folder missing": ("02_data_parallel.py", ["--save-model", "{tmp}/missing/m.pt"], "cannot write"),
+    "model path is a folder": ("05_multinode_mnist.py", ["--save-model", "{tmp}"], "cannot write"),
+    "model folder is a file": ("01_single_gpu.py", ["--save-model", "{tmp}/metrics.json/m.pt"], "cannot write"),
     "snapshot folder missing": ("06_fault_tolerant.py", ["--snapshot", "{tmp}/missing/s.pt"], "cannot write"),
+    "snapshot folder is a file": ("06_fault_tolerant.py", ["--snapshot", "{tmp}/metrics.json/s.pt"],
+                                  "cannot write"),
     "negative snapshot interval": ("06_fault_tolerant.py", ["--snapshot-every", "-1"], "--snapshot-every"),
-    "timeout 0": ("06_fault_tolerant.py", ["--timeout", "0"], "--timeout must be positive"),
-    "timeout not a number": ("06_fault_tolerant.py", ["--timeout", "nan"], "--timeout must be positive"),
+    "timeout 0": ("06_fault_tolerant.py", ["--timeout", "0"], "--timeout"),
+    "timeout not a number": ("06_fault_tolerant.py", ["--timeout", "nan"], "--timeout"),
 }
 
 # Found later (by the launcher, setup, the data or the snapshot), or one of the above as a user meets it:
 # each started as a user starts it. id: (script, arguments, what the error line must say, how to prepare
 # the data folder)
 CASES = {
-    "batch size 0": ("01_single_gpu.py", ["--batch-size", "0"], "--batch-size must be positive", None),
+    "batch size 0": ("01_single_gpu.py", ["--batch-size", "0"], "argument --batch-size: must be in", None),
     "batch larger than the data": ("02_data_parallel.py", ["--batch-size", "100000"], "more than the", None),
     "gpu ids do not parse": ("02_data_parallel.py", ["--gpus", "a,b"], "--gpus a,b", None),
     "gpu id does not exist": ("02_data_parallel.py", ["--gpus", "99"], "--gpus 99", None),
@@ -68,6 +79,16 @@ def assert_fails_clearly(result, expected):
     assert len(errors) == 1 and expected in errors[0], result.stderr
 
 
+def parsed_in_process(script, args, capsys):
+    """The exit of script's parse_args(args) in this process, as a subprocess would show it: sys.exit(text)
+    prints its text to stderr and exits 1 when the interpreter ends, which here it does not."""
+    with pytest.raises(SystemExit) as exited:
+        load_script(script).parse_args(args)
+    code = exited.value.code
+    message = f"{code}\n" if isinstance(code, str) else ""
+    return SimpleNamespace(returncode=1 if message else code, stderr=capsys.readouterr().err + message)
+
+
 EARLIER = '{"earlier": "run"}'
 
 
@@ -84,9 +105,7 @@ def with_an_earlier_metrics_file(args, tmp_path):
 def test_a_bad_flag_is_refused_with_one_clear_line_before_any_work(case, tmp_path, capsys):
     script, args, expected = FLAGS[case]
     args, metrics = with_an_earlier_metrics_file(args, tmp_path)
-    with pytest.raises(SystemExit) as exited:
-        load_script(script).parse_args(args)
-    assert_fails_clearly(SimpleNamespace(returncode=exited.value.code, stderr=capsys.readouterr().err), expected)
+    assert_fails_clearly(parsed_in_process(script, args, capsys), expected)
     assert metrics.read_text() == EARLIER and sorted(tmp_path.iterdir()) == [metrics]
 
 
@@ -125,3 +144,13 @@ def test_a_peer_that_never_arrives_fails_within_the_timeout(quick_mnist_dir):
     result = run([sys.executable, "06_fault_tolerant.py", "--data-dir", str(quick_mnist_dir), "--timeout", "5"],
                  timeout=60, check=False, env=launcher_env(world_size=2))
     assert_fails_clearly(result, "could not join the others")
+
+
+@pytest.mark.parametrize("flag", ["--metrics-json", "--save-model"])
+def test_every_script_tries_its_output_paths_before_any_work(flag, tmp_path, capsys):
+    """The class, not the case: each numbered script (07 too) refuses an output path under a file."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for script in sorted(p.name for p in ROOT.glob("0[0-9]_*.py")):
+        assert_fails_clearly(parsed_in_process(script, [flag, str(blocker / "out")], capsys), "cannot write")
+    assert sorted(tmp_path.iterdir()) == [blocker]  # the tries left nothing behind
