@@ -56,22 +56,23 @@ def test_a_training_step_never_waits_for_the_gpu(quick_mnist_dir):
     """Synchronisations per epoch, counted by CUDA's sync debug mode: as many for 12 steps as for 4."""
     single = load_script("01_single_gpu.py")
     args = single.parse_args(["--data-dir", str(quick_mnist_dir), "--log-interval", "0"])
-    ctx = single.setup(args)
-    data = [t.to(ctx["device"]) for t in single.load_mnist(args, train=True)]
-    sampler = single.DistributedSampler(range(len(data[1])), num_replicas=1, rank=0, seed=1)
-    net = single.Net().to(ctx["device"])
+    world = single.setup(args)
+    data = [t.to(world.device) for t in single.load_mnist(args, train=True)]
+    net = single.Net().to(world.device)
     optimizer = torch.optim.Adadelta(net.parameters())
+    epochs = []
 
     def synchronisations(steps):
-        args.max_steps = steps
+        order = torch.randperm(len(data[1]))[:steps * args.batch_size]
+        batches = single.timed(single.batches(data, order, args.batch_size), world, epochs)  # measured too
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                single.train_epoch(net, data, sampler, optimizer, args, ctx, epoch=2)
+                single.train_epoch(net, batches, optimizer, args, world, epoch=len(epochs) + 1)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
         return sum("synchroniz" in str(w.message) for w in caught)
 
-    synchronisations(4)  # the first epoch also pays for start-up
+    synchronisations(8)  # the first epoch also pays for start-up, and its warm-up steps wait on purpose
     assert synchronisations(12) == synchronisations(4)

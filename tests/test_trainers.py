@@ -316,3 +316,17 @@ def test_a_copy_with_its_own_model_and_data_keeps_every_guarantee(world_size, tm
     assert all(e["test_samples"] == 250 for e in record["epochs_detail"])
     assert record["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-5)
     assert record["test_accuracy"] == reference["test_accuracy"] > 0.5  # it learned: chance is 0.1
+
+
+def test_each_rank_draws_its_own_dropout_masks(quick_mnist_dir, tmp_path):
+    """A copy of 03 that prints, after its first forward pass, the next number its generator would give. Both
+    ranks drew as many numbers (the same model, the same batch shape), so equal numbers mean equal masks."""
+    copy = tmp_path / "03_ddp_launch.py"
+    step = "        loss = F.cross_entropy(output, labels)\n"
+    source = (ROOT / "03_ddp_launch.py").read_text()
+    assert source.count(step) == 1
+    copy.write_text(source.replace(step, step + '        print("next draw", world.rank, torch.rand(1).item())\n'))
+    result = run([*TORCHRUN, "--standalone", "--nproc_per_node=2", copy, "--data-dir", quick_mnist_dir,
+                  "--max-steps", "1", "--log-interval", "0"])
+    draws = dict(line.split()[2:] for line in result.stdout.splitlines() if line.startswith("next draw"))
+    assert draws.keys() == {"0", "1"} and draws["0"] != draws["1"], result.stdout
