@@ -1,4 +1,4 @@
-"""MNIST as a LightningModule and a Trainer: 01-05's training, with Lightning writing the loops.
+"""MNIST as a LightningModule and a Trainer: 03's training, with Lightning writing the loops.
 
     python 07_lightning.py                                     # 01: one device
     python 07_lightning.py --devices 2                         # 03: Lightning starts 2 processes
@@ -17,41 +17,37 @@ train_dataloader (once tng_dataloader), configure_optimizers, on_validation_epoc
 validation_end); metrics go to a Callback or self.log (once update_tng_log_metrics).
 """
 import argparse
-import fcntl
 import json
-import logging
-import math
+import logging  # Lightning: its lines, quietened below
 import os
-import resource
 import sys
+import tempfile
 import time
-import warnings
+import warnings  # Lightning
+from types import SimpleNamespace
 
-import lightning as L
+import lightning as L  # Lightning
 import torch
-import torch.distributed as dist
+import torch.distributed as dist  # DDP
 import torch.nn as nn
 import torch.nn.functional as F
-from lightning.pytorch.utilities import disable_possible_user_warnings
+from lightning.fabric.plugins.environments import SLURMEnvironment  # Lightning
+from lightning.pytorch.utilities import disable_possible_user_warnings  # Lightning
 from torch.utils.data import DistributedSampler
 from torchvision import datasets
 
-MODE = "lightning"
-WARMUP_STEPS = 5  # left out of samples_per_s: first steps pay for allocation and kernel selection
-POSITIVE = ["epochs", "batch_size", "test_batch_size", "lr", "devices", "num_nodes"]
-NOT_NEGATIVE = ["max_steps", "log_interval", "threads"]  # values >= 0
-STRATEGIES = ["auto", "ddp", "ddp_spawn"]  # auto: one device alone, ddp for several
-ACCELERATORS = ["auto", "cpu", "gpu"]  # auto: the GPUs if there are any
-
-# Output like 01-05's: no "GPU available" lines, no advice on workers. At import, so that the
-# processes ddp_spawn starts (they import this file, they do not run main) are quiet too.
+MODE = "lightning"  # Lightning
+# Lightning: output like 03's, without "GPU available" lines or advice on workers. At import, so
+# that the processes ddp_spawn starts (they import this file, they do not run it) are quiet too.
 for name in ["lightning.pytorch", "lightning.fabric"]:
     logging.getLogger(name).setLevel(logging.WARNING)
 disable_possible_user_warnings()
 warnings.filterwarnings("ignore", ".*LeafSpec.*", FutureWarning)  # torch is newer than Lightning
 
+
 class Net(nn.Module):
     """The classic PyTorch MNIST CNN (about 1.2 M parameters)."""
+
     def __init__(self, dropout=True):
         super().__init__()
         self.conv1 = nn.Conv2d(1, 32, 3, 1)
@@ -74,81 +70,85 @@ class Net(nn.Module):
         x = self.dropout2(x)
         return self.fc2(x)
 
-def fail(message):
-    """Bad input ends the run with one line on stderr, never a traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+
+def in_range(low, high=float("inf"), cast=int):
+    """An argparse type: a number from low up to, not including, high (NaN is in no range)."""
+    def number(text):
+        if not low <= cast(text) < high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}), got {text}")
+        return cast(text)
+    return number
+
+
+def writable(path):
+    """An argparse type: a file we can write, tried now by writing beside it, before any work."""
+    try:
+        tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))).close()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {path}: {e.strerror}")
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"cannot write {path}: it is a folder")
+    return path
+
 
 def parse_args(argv=None):
-    """The flags, every value checked before any work starts: a bad one must not cost a run."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    """The flags, each checked as it is read: a bad value must not cost a run."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
+                                exit_on_error=False)
     p.add_argument("--data-dir", default="data", help="torchvision's MNIST (downloaded if missing)")
     p.add_argument("--synthetic", action="store_true", help="random MNIST-shaped data (throughput)")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=64, help="batch of this process")
-    p.add_argument("--test-batch-size", type=int, default=1000)
-    p.add_argument("--lr", type=float, default=1.0, help="Adadelta's rate, x0.7 each epoch")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--max-steps", type=int, default=0, help="steps per epoch at most (0: all)")
-    p.add_argument("--log-interval", type=int, default=100, help="steps between lines (0: none)")
+    p.add_argument("--epochs", type=in_range(1), default=1)
+    p.add_argument("--batch-size", type=in_range(1), default=64, help="batch of this process")
+    p.add_argument("--test-batch-size", type=in_range(1), default=1000)
+    p.add_argument("--lr", type=in_range(0.0, cast=float), default=1.0, help="x0.7 each epoch")
+    p.add_argument("--seed", type=in_range(0, 2**32), default=1)
+    p.add_argument("--max-steps", type=in_range(0), default=0, help="steps per epoch (0: all)")
+    p.add_argument("--log-interval", type=in_range(0), default=100, help="steps between lines")
     p.add_argument("--cpu", action="store_true", help="ignore GPUs")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: cores / processes)")
+    p.add_argument("--threads", type=in_range(0), default=0, help="CPU threads (0: PyTorch's)")
     p.add_argument("--no-dropout", action="store_true", help="for exact comparisons of modes")
-    p.add_argument("--save-model", metavar="PATH", help="save the trained weights here")
-    p.add_argument("--metrics-json", metavar="PATH", help="write the run's metrics record here")
-    p.add_argument("--devices", type=int, default=1, help="processes per node (GPUs or CPU shares)")
-    p.add_argument("--num-nodes", type=int, default=1, help="machines, --devices processes on each")
-    p.add_argument("--strategy", default="auto", help="auto, ddp or ddp_spawn")
-    p.add_argument("--accelerator", default="auto", help="auto, cpu (as --cpu) or gpu")
-    args = p.parse_args(argv)
-    for name in POSITIVE + NOT_NEGATIVE:
-        value = getattr(args, name)
-        if not (0 < value < math.inf if name in POSITIVE else 0 <= value < math.inf):  # NaN too
-            kind = "positive" if name in POSITIVE else "zero or more"
-            fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
-    if not 0 <= args.seed < 2**32:
-        fail(f"--seed must be in 0..2**32-1, got {args.seed}")
-    for path in filter(None, [args.metrics_json, args.save_model]):  # each written into its folder
-        if os.path.isdir(path) or not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
-            fail(f"cannot write {path}: its folder does not exist or is not writable")
-    return args
+    p.add_argument("--save-model", type=writable, metavar="PATH", help="save the weights here")
+    p.add_argument("--metrics-json", type=writable, metavar="PATH", help="write the record here")
+    # Lightning: the Trainer's own flags; under torchrun or srun, the processes the launcher started
+    p.add_argument("--devices", type=in_range(1), default=1, help="processes per machine")
+    p.add_argument("--num-nodes", type=in_range(1), default=1, help="machines, --devices on each")
+    p.add_argument("--strategy", choices=["auto", "ddp", "ddp_spawn"], default="auto",
+                   help="auto: DDP for several devices; ddp_spawn: as 04 starts processes")
+    p.add_argument("--accelerator", choices=["auto", "cpu", "gpu"], default="auto",
+                   help="auto: the GPUs if there are any (--cpu: the CPU, whatever this says)")
+    try:
+        return p.parse_args(argv)
+    except argparse.ArgumentError as e:
+        sys.exit(f"error: {e}")  # one line on stderr, exit status 1, as every bad input here
 
-def check_launch(args):
-    """Lightning's flags, checked here: the Trainer would stop with a traceback, or later."""
-    if args.strategy not in STRATEGIES:
-        fail(f"--strategy must be {' or '.join(STRATEGIES)}, got {args.strategy}")
-    if args.accelerator not in ACCELERATORS:
-        fail(f"--accelerator must be {' or '.join(ACCELERATORS)}, got {args.accelerator}")
-    gpus = 0 if args.cpu else torch.cuda.device_count()
-    wants_gpus = args.accelerator == "gpu" or (args.accelerator == "auto" and gpus > 0)
-    if wants_gpus and args.devices > gpus:
-        fail(f"--devices {args.devices} needs {args.devices} GPUs, {gpus} can be seen "
-             "(--cpu uses none)")
-    launched = launcher_world()
-    if launched and launched != (args.devices, args.num_nodes):
-        fail(f"the launcher started {launched[0]} processes on each of {launched[1]} nodes: "
-             f"give --devices {launched[0]} --num-nodes {launched[1]}")
 
-def launcher_world():
-    """(processes per node, nodes) when torchrun or srun started this process, else None."""
+def setup(args):
+    """The Trainer, once the flags agree with the machine: it starts the processes, gives each its
+    device and joins them in a process group (MNISTModule.setup reads where each one is)."""
+    per_node, nodes = args.devices, args.num_nodes  # Lightning: unless a launcher started them
     if "LOCAL_WORLD_SIZE" in os.environ:  # torchrun
         per_node = int(os.environ["LOCAL_WORLD_SIZE"])
-        return per_node, int(os.environ["WORLD_SIZE"]) // per_node
-    slurm_batch = os.environ.get("SLURM_JOB_NAME") not in ["bash", "interactive"]
-    if "SLURM_NTASKS_PER_NODE" in os.environ and slurm_batch:  # as Lightning detects SLURM
-        per_node = int(os.environ["SLURM_NTASKS_PER_NODE"])
-        return per_node, int(os.environ.get("SLURM_NNODES", 1))
-    return None
+        nodes = int(os.environ["WORLD_SIZE"]) // per_node
+    elif SLURMEnvironment.detect():  # srun, as Lightning detects it
+        per_node = int(os.environ.get("SLURM_NTASKS_PER_NODE", per_node))
+        nodes = int(os.environ.get("SLURM_NNODES", nodes))
+    if (per_node, nodes) != (args.devices, args.num_nodes):
+        sys.exit(f"error: the launcher started {per_node} processes on each of {nodes} machines: "
+                 f"give --devices {per_node} --num-nodes {nodes}")
+    # Lightning: GPUs are CUDA's or MPS's; --cpu forces the CPU, as in 01-06
+    accelerator = "cpu" if args.cpu else args.accelerator
+    gpus = torch.cuda.device_count() or int(torch.backends.mps.is_available())
+    if accelerator != "cpu" and (gpus or accelerator == "gpu") and args.devices > gpus:
+        sys.exit(f"error: {args.devices} processes on this machine but {gpus} GPU(s): give fewer "
+                 "--devices, or add --cpu to try DDP on the CPU")
+    return L.Trainer(
+        accelerator=accelerator, devices=args.devices, num_nodes=args.num_nodes,
+        strategy=args.strategy, max_epochs=args.epochs,
+        reload_dataloaders_every_n_epochs=1,  # train_dataloader() each epoch: its shuffle
+        callbacks=[Timed(args)],  # measure
+        num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False)
 
-def setup(trainer, args):
-    """The one place that decides rank, world size and device: here the Trainer has, we read it."""
-    devices = [trainer.strategy.root_device]
-    threads = args.threads or max(1, len(os.sched_getaffinity(0)) // trainer.num_devices)
-    torch.set_num_threads(threads)  # processes on one machine share its cores
-    return dict(rank=trainer.global_rank, world_size=trainer.world_size, nodes=trainer.num_nodes,
-                backend=dist.get_backend() if dist.is_initialized() else None,
-                master=trainer.is_global_zero, local_rank=trainer.local_rank,
-                threads=threads, device=devices[0], devices=devices)
 
 def load_mnist(args, train):
     """(images, labels) of one split, normalised once: the input pipeline is never what we time."""
@@ -157,14 +157,12 @@ def load_mnist(args, train):
         n = 60000 if train else 10000
         return torch.randn(n, 1, 28, 28, generator=rng), torch.randint(0, 10, (n,), generator=rng)
     try:
-        os.makedirs(args.data_dir, exist_ok=True)
-        with open(os.path.join(args.data_dir, "download.lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # nodes that share this folder download it once
-            mnist = datasets.MNIST(args.data_dir, train=train, download=True)
+        mnist = datasets.MNIST(args.data_dir, train=train, download=True)
     except Exception as e:
-        fail(f"MNIST could not be loaded from {args.data_dir}/MNIST/raw ({type(e).__name__}: "
-             f"{str(e)[:150]!r}); delete a corrupt file to download it again, or use --synthetic")
+        sys.exit(f"error: MNIST could not be loaded from {args.data_dir} ({type(e).__name__}: "
+                 f"{str(e)[:150]!r}); delete a corrupt file to download again, or use --synthetic")
     return (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, mnist.targets  # MNIST's mean, std
+
 
 def batches(data, indices, batch_size):
     """Batches sliced from tensors on the device: no step waits for the host or a DataLoader."""
@@ -173,215 +171,227 @@ def batches(data, indices, batch_size):
     for batch in index.split(batch_size):
         yield images[batch], labels[batch]
 
+
+# Lightning: batches() as a loader, with a length: the Trainer counts the steps. Not a DataLoader,
+# so Lightning gives it no sampler of its own: the order and the shares are 03's (no padding)
 class Batches:
-    """batches() as Lightning wants a loader: a length, and a new pass each epoch. Training leaves
-    out the short last batch (drop_last: one shape for every step), as 01-05 do."""
-    def __init__(self, data, indices, batch_size, drop_last):
-        self.data, self.indices = data, indices
-        self.batch_size, self.drop_last = batch_size, drop_last
+    def __init__(self, data, indices, batch_size):
+        self.data, self.indices, self.batch_size = data, indices, batch_size
 
     def __len__(self):
-        whole, rest = divmod(len(self.indices), self.batch_size)
-        return whole if self.drop_last or rest == 0 else whole + 1
+        return -(-len(self.indices) // self.batch_size)  # a test share's last batch: short
 
     def __iter__(self):
-        # A generator: the sampler's order is read at the first batch, after on_train_epoch_start
-        # has set the epoch (Lightning asks for the iterator of the first epoch before that hook).
-        order = list(self.indices)[:len(self) * self.batch_size]
-        yield from batches(self.data, order, self.batch_size)
+        return batches(self.data, self.indices, self.batch_size)
 
-def clock(device):
-    """Seconds, read once the device has done its work: GPU work is queued, not yet done."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
-def peak_memory_bytes(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS (KiB on Linux)
-
-def all_ranks(value, device, op=dist.ReduceOp.SUM):
-    """value summed over all ranks (or their maximum, with op=MAX), on every rank."""
-    tensor = torch.as_tensor(value, dtype=torch.float64, device=device)
-    if dist.is_initialized():  # Lightning starts no process group for one device
-        dist.all_reduce(tensor, op=op)
-    return tensor.item()
-
-class MNISTModule(L.LightningModule):
+class MNISTModule(L.LightningModule):  # Lightning: 03's train_epoch, evaluate and run, as hooks
     """The model, its data and its optimizer, in the hooks the Trainer calls: Lightning writes the
     loops, moves batches, zeroes gradients, calls backward and step, and wraps the model in DDP."""
+
     def __init__(self, args):
         super().__init__()
         self.args = args
 
-    def prepare_data(self):
-        # Lightning calls this in one process per node while the others wait: 03's barriers.
-        if not self.args.synthetic:
+    def prepare_data(self):  # Lightning: in one process per machine, first: 03's barriers
+        if not self.args.synthetic:  # MNIST downloaded, if missing, before the others read it
             load_mnist(self.args, train=True)
             load_mnist(self.args, train=False)
 
+    # Lightning: in every process, in its process group; then the Trainer moves the model to the
+    # device and wraps it in DDP
     def setup(self, stage):
-        # In every process, once the Trainer has started it and joined the process group.
-        # Then the Trainer moves the model to the device and wraps it in DDP.
-        self.ctx = setup(self.trainer, self.args)
-        device = self.ctx["device"]
-        torch.manual_seed(self.args.seed + self.ctx["rank"])  # its own dropout; DDP copies rank 0's
-        self.train_data = [t.to(device) for t in load_mnist(self.args, train=True)]
-        self.test_data = [t.to(device) for t in load_mnist(self.args, train=False)]
-        self.net = Net(dropout=not self.args.no_dropout)
-
-    def train_dataloader(self):
-        # Our sampler, not Lightning's (Trainer(use_distributed_sampler=False)): Lightning's would
-        # shuffle with another seed and count epochs from 0, so the order would not be 01's.
-        train_size = len(self.train_data[1])
-        world_size, rank = self.ctx["world_size"], self.ctx["rank"]
-        self.sampler = DistributedSampler(range(train_size), world_size, rank, seed=self.args.seed)
-        if len(self.sampler) < self.args.batch_size:
-            fail(f"--batch-size {self.args.batch_size} is more than the {len(self.sampler)} "
-                 "training images")
-        return Batches(self.train_data, self.sampler, self.args.batch_size, drop_last=True)
-
-    def val_dataloader(self):
-        # Each rank tests every world_size-th image: all of them exactly once. Lightning's sampler
-        # would pad the ranks' shares with repeated images (10,002 of them at world size 3).
-        test_size = len(self.test_data[1])
-        test_indices = range(self.ctx["rank"], test_size, self.ctx["world_size"])
-        return Batches(self.test_data, test_indices, self.args.test_batch_size, drop_last=False)
+        args, trainer = self.args, self.trainer
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        self.world = world = SimpleNamespace(
+            device=trainer.strategy.root_device, rank=trainer.global_rank,
+            world_size=trainer.world_size, local_rank=trainer.local_rank, nodes=trainer.num_nodes,
+            backend=dist.get_backend() if dist.is_initialized() else None,  # none for one device
+            is_main=trainer.is_global_zero)
+        torch.manual_seed(args.seed + world.rank)  # DDP: its own dropout; DDP copies rank 0's
+        self.train_data = [t.to(world.device) for t in load_mnist(args, train=True)]  # 188 MB
+        self.test_data = [t.to(world.device) for t in load_mnist(args, train=False)]
+        train_size, test_size = len(self.train_data[1]), len(self.test_data[1])
+        self.sampler = DistributedSampler(range(train_size), world.world_size, world.rank,
+                                          seed=args.seed)
+        self.test_indices = range(world.rank, test_size, world.world_size)  # DDP: each image once
+        self.steps = min(len(self.sampler) // args.batch_size, args.max_steps or len(self.sampler))
+        if self.steps == 0:
+            sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(self.sampler)} "
+                     "images")
+        self.net = Net(dropout=not args.no_dropout)
 
     def configure_optimizers(self):
         optimizer = torch.optim.Adadelta(self.parameters(), lr=self.args.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
         return dict(optimizer=optimizer, lr_scheduler=scheduler)  # stepped once an epoch
 
-    def on_train_epoch_start(self):
-        self.sampler.set_epoch(self.current_epoch + 1)  # 01-05 count from 1, Lightning from 0
+    def train_dataloader(self):  # Lightning: at each epoch's start, its full batches
+        self.sampler.set_epoch(self.current_epoch + 1)  # Lightning counts epochs from 0, 03 from 1
+        order = list(self.sampler)[:self.steps * self.args.batch_size]
+        return Batches(self.train_data, order, self.args.batch_size)
+
+    def on_train_epoch_start(self):  # Lightning
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.world.device)
 
     def training_step(self, batch, batch_idx):
         images, labels = batch  # already on the device
         output = self.net(images)
         loss = F.cross_entropy(output, labels)
+        self.loss_sum += loss.detach()  # summed on the device: no waiting for the GPU
+        args, epoch = self.args, self.current_epoch + 1  # Lightning counts epochs from 0
+        if self.world.is_main and args.log_interval and batch_idx % args.log_interval == 0:
+            print(f"epoch {epoch} step {batch_idx} loss {loss.item():.4f}", flush=True)
         return loss  # Lightning calls backward and the optimizer's step
 
+    def val_dataloader(self):  # Lightning: the test images after each epoch's last step
+        return Batches(self.test_data, self.test_indices, self.args.test_batch_size)
+
+    # Lightning: in eval() and without gradients, as 03's evaluate(); through DDP, whose first
+    # forward after training gives every rank rank 0's buffers (03 broadcasts them itself)
     def on_validation_epoch_start(self):
-        self.loss_sum, self.correct, self.count = 0.0, 0, 0
+        self.test_loss_sum, self.correct = 0.0, 0
 
     def validation_step(self, batch, batch_idx):
-        images, labels = batch  # Lightning has called eval() and turned off gradients
+        images, labels = batch
         output = self.net(images)
-        self.loss_sum += F.cross_entropy(output, labels, reduction="sum").item()
+        self.test_loss_sum += F.cross_entropy(output, labels, reduction="sum").item()
         self.correct += (output.argmax(dim=1) == labels).sum().item()
-        self.count += len(labels)
 
-    def on_validation_epoch_end(self):
-        device = self.ctx["device"]
-        loss_sum = all_ranks(self.loss_sum, device)  # totals over all ranks: each image once
-        correct = all_ranks(self.correct, device)
-        count = all_ranks(self.count, device)
+    def on_validation_epoch_end(self):  # Lightning: the end of the epoch
+        world, reduce = self.world, self.trainer.strategy.reduce  # Lightning: dist.all_reduce,
+        totals = torch.tensor([self.test_loss_sum, self.correct, len(self.test_indices)],
+                              device=world.device)  # or nothing on one device (no group)
+        loss_sum, correct, count = reduce(totals, reduce_op="sum").tolist()  # DDP: of all ranks
         self.test = dict(test_loss=loss_sum / count, test_accuracy=correct / count,
                          test_samples=int(count))
+        loss_sum = reduce(self.loss_sum, reduce_op="sum")  # DDP: each rank took as many steps
+        self.train_loss = loss_sum.item() / self.steps / world.world_size
+        if world.is_main:
+            print(f"epoch {self.current_epoch + 1}: train loss {self.train_loss:.4f}, accuracy "
+                  f"{self.test['test_accuracy']:.2%} of {self.test['test_samples']} test images",
+                  flush=True)
 
-def metrics_record(args, ctx, epochs):
-    """The run's record, for the harness in bench/ (keys are added, never renamed)."""
-    steady_samples = sum(e["steady_samples"] for e in epochs)
-    steady_time_s = sum(e["steady_time_s"] for e in epochs)
-    names = [torch.cuda.get_device_name(d) if d.type == "cuda" else "cpu" for d in ctx["devices"]]
-    return dict(
-        schema=1, script=os.path.basename(__file__), mode=MODE, device_type=ctx["device"].type,
-        device_names=names, world_size=ctx["world_size"], nodes=ctx["nodes"], lr=args.lr,
-        backend=ctx["backend"], threads=ctx["threads"], epochs=len(epochs), argv=sys.argv,
-        per_device_batch=args.batch_size, global_batch=args.batch_size * ctx["world_size"],
-        train_samples=sum(e["train_samples"] for e in epochs), steady_samples=steady_samples,
-        steps=sum(e["steps"] for e in epochs), samples_per_s=steady_samples / steady_time_s,
-        steady_time_s=steady_time_s, epochs_detail=epochs, torch_version=torch.__version__,
-        test_accuracy=epochs[-1]["test_accuracy"], test_loss=epochs[-1]["test_loss"],
-        peak_memory_bytes=max(e["peak_memory_bytes"] for e in epochs), synthetic=args.synthetic)
+    def on_train_end(self):  # Lightning
+        if self.world.is_main and self.args.save_model:
+            torch.save(self.net.state_dict(), self.args.save_model)
 
-class Metrics(L.Callback):
-    """03's clocks, sums, epoch lines and metrics record, outside the model as Lightning intends:
-    train_epoch's measuring, cut into the hooks around each step and epoch."""
+
+def lost_peer(e):  # Lightning: trainer.fit raises what its rank met
+    """Whether the exception says a peer died or a collective timed out (else it is a bug)."""
+    # gloo's errors are plain RuntimeErrors: those of its transport say a peer died ("[.../gloo/
+    # transport/tcp/pair.cc:561] Connection closed by peer") or a collective timed out ("[.../gloo/
+    # transport/tcp/unbound_buffer.cc:78] Timed out waiting ...", torch 2.14); a shape is no peer
+    return (isinstance(e, (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError,
+                           TimeoutError, torch.multiprocessing.ProcessExitedException))  # spawn's
+            or isinstance(e, RuntimeError) and "gloo/transport/" in str(e).replace("\\", "/"))
+
+
+def run(args, trainer):
+    # Lightning: each step costs one collective more than 03's: Lightning 2.6 broadcasts rank 0's
+    # SIGTERM flag (on GPUs, waiting for it): Lightning-AI/pytorch-lightning#21487.
+    try:
+        trainer.fit(MNISTModule(args))
+    except Exception as e:  # Lightning: a lost peer in one line; anything else: its traceback
+        if not lost_peer(e):
+            raise
+        sys.exit(f"error: rank {trainer.global_rank} lost the others (did one fail first?): "
+                 f"{(str(e) or type(e).__name__).splitlines()[0]}")
+
+
+# ---- Measurement, for the benchmark in bench/ only. A copier may delete from here down to -----
+# `if __name__`, and the lines above marked "# measure": the script still trains.
+WARMUP_STEPS = 5  # left out of samples_per_s: the first steps pay for allocation and kernel choice
+
+
+def clock(device):
+    """Seconds, read once the device has done its work: GPU work is queued, not yet done."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+    return time.perf_counter()
+
+
+class Timed(L.Callback):  # Lightning: 03's timed(), in the hooks around each step
+    """Times each epoch's steps, adds the epoch's results, and writes the record at the end."""
+
     def __init__(self, args):
         self.args, self.epochs = args, []
 
-    def on_train_epoch_start(self, trainer, module):
-        device = module.ctx["device"]
-        self.steps = trainer.num_training_batches  # --max-steps: Trainer(limit_train_batches)
-        self.warmup = min(WARMUP_STEPS, self.steps - 1) if trainer.current_epoch == 0 else 0
-        self.lr = trainer.optimizers[0].param_groups[0]["lr"]
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        if device.type == "cuda":  # the peak of training, not of loading the data
-            torch.cuda.reset_peak_memory_stats(device)
-        self.start = self.steady_start = clock(device)
+    def on_train_batch_start(self, trainer, module, batch, step):
+        device = module.world.device
+        warmup = 0 if self.epochs else WARMUP_STEPS  # the first epoch's first steps
+        if step == 0:
+            self.starts = []  # of the warm-up steps and of the first timed one: at least one
+            if warmup and device.type != "cpu":
+                torch.accelerator.reset_peak_memory_stats(device)  # training's, not loading's
+        if step <= warmup:
+            self.starts.append(clock(device))  # warm-up steps wait for the device; later ones never
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        if batch_idx == self.warmup:
-            self.steady_start = clock(module.ctx["device"])
+    def on_train_batch_end(self, trainer, module, outputs, batch, step):
+        if step + 1 < trainer.num_training_batches:
+            return
+        world, device, starts = module.world, module.world.device, self.starts
+        end = clock(device)
+        peak = None if device.type == "cpu" else torch.accelerator.max_memory_allocated(device)
+        steps, batch = step + 1, len(batch[1]) * world.world_size  # DDP: the batches of all ranks
+        seconds = torch.tensor([end - starts[0], end - starts[-1]], dtype=torch.float64,
+                               device=device)
+        seconds = trainer.strategy.reduce(seconds, reduce_op="max")  # Lightning: all_reduce
+        seconds = seconds.tolist()  # DDP: in the time of the slowest rank
+        self.epochs.append(dict(steps=steps, train_samples=steps * batch,
+                                steady_samples=(steps - len(starts) + 1) * batch,
+                                train_time_s=seconds[0], steady_time_s=seconds[1],
+                                peak_memory_bytes=peak))  # peak: None on the CPU
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        images, labels = batch
-        loss = outputs["loss"]  # detached by Lightning
-        self.loss_sum += loss * len(labels)  # summed on the device: no waiting for the GPU
-        epoch = trainer.current_epoch + 1
-        if trainer.is_global_zero and self.args.log_interval:
-            if batch_idx % self.args.log_interval == 0:
-                print(f"epoch {epoch} step {batch_idx}/{self.steps} loss {loss.item():.4f}",
-                      flush=True)
-        if batch_idx + 1 == self.steps:  # the end of training; Lightning evaluates next
-            self.end = clock(module.ctx["device"])
-            self.memory = peak_memory_bytes(module.ctx["device"])
+    def on_train_epoch_end(self, trainer, module):  # after the epoch's evaluation
+        self.epochs[-1].update(epoch=trainer.current_epoch + 1, train_loss=module.train_loss,
+                               **module.test)
 
-    def on_train_epoch_end(self, trainer, module):
-        # After Lightning's validation loop: module.test holds this epoch's evaluation.
-        device, args, epoch = module.ctx["device"], self.args, trainer.current_epoch + 1
-        loss_sum = all_ranks(self.loss_sum, device)  # totals over all ranks
-        samples = int(all_ranks(self.steps * args.batch_size, device))
-        steady_samples = int(all_ranks((self.steps - self.warmup) * args.batch_size, device))
-        time_s = all_ranks(self.end - self.start, device, dist.ReduceOp.MAX)  # the slowest rank
-        steady_time_s = all_ranks(self.end - self.steady_start, device, dist.ReduceOp.MAX)
-        memory = [int(all_ranks(self.memory, device, dist.ReduceOp.MAX))]
-        train = dict(steps=self.steps, train_samples=samples, steady_samples=steady_samples,
-                     train_loss=loss_sum / samples, train_time_s=time_s,
-                     steady_time_s=steady_time_s, peak_memory_bytes=max(memory),
-                     peak_memory_per_device=memory)
-        test = module.test
-        self.epochs.append(dict(epoch=epoch, lr=self.lr, **train, **test))
-        if trainer.is_global_zero:
-            print(f"epoch {epoch}: train loss {train['train_loss']:.4f}, accuracy "
-                  f"{test['test_accuracy']:.2%} of {test['test_samples']} test images", flush=True)
+    def on_fit_end(self, trainer, module):
+        write_record(self.args.metrics_json, self.args, module.world, self.epochs)
 
-    def on_train_end(self, trainer, module):
-        args, ctx = self.args, module.ctx
-        record = metrics_record(args, ctx, self.epochs)
-        if ctx["master"]:
-            note = " (synthetic data: the accuracy means nothing)" if args.synthetic else ""
-            print(f"{MODE}: {record['samples_per_s']:.0f} samples/s, world size "
-                  f"{ctx['world_size']}, {ctx['device']}{note}")
-            if args.save_model:
-                torch.save(module.net.state_dict(), args.save_model)
-            if args.metrics_json:  # whole or not at all: renamed once written
-                with open(f"{args.metrics_json}.tmp", "w") as f:
-                    json.dump(record, f, indent=2)
-                os.replace(f"{args.metrics_json}.tmp", args.metrics_json)
 
-def main(argv=None):
-    args = parse_args(argv)
-    check_launch(args)
-    module = MNISTModule(args)
-    trainer = L.Trainer(
-        accelerator="cpu" if args.cpu else args.accelerator, devices=args.devices,
-        num_nodes=args.num_nodes, strategy=args.strategy,
-        max_epochs=args.epochs,
-        limit_train_batches=args.max_steps or None,  # per epoch (Trainer(max_steps): in all)
-        use_distributed_sampler=False,  # our samplers: 01's order, and no padded test images
-        callbacks=[Metrics(args)], num_sanity_val_steps=0, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    # Each step of several processes costs one collective more than 03's: Lightning 2.6 broadcasts
-    # rank 0's SIGTERM flag (on GPUs, waiting for it): Lightning-AI/pytorch-lightning#21487.
-    try:
-        trainer.fit(module)
-    except RuntimeError as e:  # a peer died (gloo: RuntimeError; NCCL: DistError, a subclass)
-        fail(f"rank {trainer.global_rank} stopped (did another fail first?): "
-             f"{(str(e) or type(e).__name__).splitlines()[0]}")
+def write_record(path, args, world, epochs):
+    """Prints the throughput and writes the run's record (keys are added, never renamed)."""
+    if not world.is_main:
+        return
+    device = world.device
+    totals = {key: sum(e[key] for e in epochs)
+              for key in ["steps", "train_samples", "steady_samples", "steady_time_s"]}
+    record = dict(
+        schema=1,
+        script=os.path.basename(__file__),
+        mode=MODE,
+        device_type=device.type,
+        device_names=[torch.cuda.get_device_name() if device.type == "cuda" else device.type],
+        world_size=world.world_size,
+        nodes=world.nodes,
+        backend=world.backend,
+        threads=torch.get_num_threads(),
+        per_device_batch=args.batch_size,
+        global_batch=args.batch_size * world.world_size,
+        lr=args.lr,
+        epochs=len(epochs),
+        **totals,
+        samples_per_s=totals["steady_samples"] / totals["steady_time_s"],
+        epochs_detail=epochs,
+        test_accuracy=epochs[-1]["test_accuracy"],
+        test_loss=epochs[-1]["test_loss"],
+        peak_memory_bytes=epochs[-1]["peak_memory_bytes"],  # the peak since training began
+        synthetic=args.synthetic,
+        torch_version=torch.__version__,
+        argv=sys.argv,
+    )
+    note = " (synthetic data: the accuracy means nothing)" if args.synthetic else ""
+    print(f"{MODE}: {record['samples_per_s']:.0f} samples/s, world size {world.world_size}, "
+          f"{device}{note}")
+    if path:  # whole or not at all: renamed once written
+        with open(f"{path}.tmp", "w") as f:
+            json.dump(record, f, indent=2)
+        os.replace(f"{path}.tmp", path)
+
 
 if __name__ == "__main__":
-    main()
+    args = parse_args()
+    run(args, setup(args))  # Lightning: it destroys its process group at exit
