@@ -1,13 +1,13 @@
-"""The exact command of each run, as a user would start it: the batch-size rules and the choice of GPUs. Runs
-use the harness's own interpreter (torchrun as its -m torch.distributed.run), whatever PATH holds."""
+"""Each run's exact command as a user would start it, with the harness's own interpreter whatever PATH holds."""
 import os
 import shlex
 import sys
 
 from bench.machine import free_port
-from bench.scripts import REPO, SCRIPTS
+from bench.scripts import MODES, REPO
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+COUNT_FLAGS = {"spawn": "--nprocs", "lightning": "--devices"}  # where the script itself takes n
 
 
 def repo_relative(path):
@@ -22,35 +22,40 @@ def visible(gpus):
     return {"CUDA_VISIBLE_DEVICES": ",".join(gpus), "CUDA_DEVICE_ORDER": order}
 
 
+def launch(mode, script_path, n=None, launcher=()):
+    """The command up to the script's flags; n None: its default count (torchrun: 1); launcher: torchrun's options."""
+    if mode.launch == "torchrun":
+        return [*TORCHRUN, "--standalone", "--nproc_per_node", str(n or 1), *map(str, launcher), str(script_path)]
+    count = [COUNT_FLAGS[mode.launch], str(n)] if n and mode.launch in COUNT_FLAGS else []
+    return [sys.executable, str(script_path), *count]
+
+
 def commands(run, settings, metrics_path, snapshot_path):
-    """[(environment, argv)] of one run: one command, or two for the two "nodes" of 05 on this host.
-    B is the per-GPU batch: 02 gets n x B and n GPU ids, every other mode B in each of its n processes."""
-    B, n, script, python = run.batch, run.n, SCRIPTS[run.mode], [sys.executable, SCRIPTS[run.mode]]
-    batch = n * B if run.mode == "dp" else B  # one process drives 02's n GPUs: its loader yields n x B
-    common = ["--batch-size", batch, "--epochs", settings.epochs, "--test-batch-size", settings.test_batch_size,
-              "--seed", settings.seed + run.repeat - 1, "--metrics-json", repo_relative(metrics_path)]
+    """[(environment, argv)] of one run: one command, or two for the two "nodes" of 05 on this host."""
+    mode, n = MODES[run.mode], run.n
+    common = ["--batch-size", mode.loader_batch(run.per_device_batch, n), "--epochs", settings.epochs,
+              "--test-batch-size", settings.test_batch_size, "--seed", settings.seed + run.repeat - 1,
+              "--metrics-json", repo_relative(metrics_path)]
     common += ["--max-steps", settings.max_steps] if settings.max_steps else []
     common += ["--synthetic"] if settings.synthetic else ["--data-dir", settings.data_dir]
     # On the CPU the n processes share the host's cores; the scripts' own rule counts processes per node,
     # which would give each of 05's two "nodes" on one host twice its share.
     common += ["--cpu", "--threads", max(1, settings.cores // n)] if settings.cpu else []
+    common += ["--snapshot", repo_relative(snapshot_path)] if mode.snapshot else []
     common += list(run.flags)
-    torchrun = TORCHRUN + ["--standalone", "--nproc_per_node", n, script]
-    accelerator = "cpu" if settings.cpu else "gpu"
-    argv = {"single": python, "dp": python + ([] if settings.cpu else ["--gpus", ",".join(map(str, range(n)))]),
-            "ddp_launch": torchrun, "ddp_fault_tolerant": torchrun + ["--snapshot", repo_relative(snapshot_path)],
-            "ddp_spawn": python + ["--nprocs", n, "--master-port", free_port()],
-            "lightning": python + ["--devices", n, "--strategy", "ddp", "--accelerator", accelerator]}
-    if run.mode != "ddp_multinode":
-        return [(visible(settings.gpus[:n]), [str(a) for a in argv[run.mode] + common])]
+    argv = launch(mode, mode.script, n) + {
+        "dp": [] if settings.cpu else ["--gpus", ",".join(map(str, range(n)))],
+        "spawn": ["--master-port", free_port()],
+        "lightning": ["--strategy", "ddp", "--accelerator", "cpu" if settings.cpu else "gpu"]}.get(mode.launch, [])
+    if mode.launch != "multinode":
+        return [(visible(settings.gpus[:n]), [str(a) for a in argv + common])]
     port, half = free_port(), n // 2
-    return [(visible(settings.gpus[r * half:(r + 1) * half]), [str(a) for a in python + [
+    return [(visible(settings.gpus[r * half:(r + 1) * half]), [str(a) for a in argv + [
         "-n", 2, "-g", half, "--nr", r, "--master-addr", "127.0.0.1", "--master-port", port] + common]) for r in (0, 1)]
 
 
 def as_typed(cmds, cpu):
     """As a user types them: python for this interpreter, torchrun; 05's two nodes at once, hence '&'."""
-    def one(env, argv):
-        text = shlex.join(argv).replace(shlex.join(TORCHRUN), "torchrun").replace(shlex.quote(sys.executable), "python")
-        return ("" if cpu else f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} ") + text
-    return " & ".join(one(env, argv) for env, argv in cmds)
+    text = " & ".join(("" if cpu else f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} ") + shlex.join(argv)
+                      for env, argv in cmds)
+    return text.replace(shlex.join(TORCHRUN), "torchrun").replace(shlex.quote(sys.executable), "python")

@@ -1,5 +1,4 @@
-"""What this machine is (CPU, GPUs, versions, the settings that change numerics), recorded beside every
-result so that it can be compared later; and a free TCP port for a rendezvous."""
+"""What this machine is (CPU, GPUs, versions, numerics settings), recorded beside every result; a free TCP port."""
 import json
 import os
 import platform
@@ -45,9 +44,7 @@ def gpus():
     """[(id, name)] of the GPUs runs may use, ids as CUDA_VISIBLE_DEVICES names them: those it holds if the user
     set it, else all in nvidia-smi's order (the runs get CUDA_DEVICE_ORDER=PCI_BUS_ID: CUDA's order too)."""
     listed = output_of(["nvidia-smi", "--query-gpu=index,uuid,name", "--format=csv,noheader"]) or ""
-    names = {}
-    for index, uuid, name in (line.split(", ", 2) for line in listed.splitlines()):
-        names[index] = names[uuid] = name
+    names = {key: name for i, uuid, name in (line.split(", ", 2) for line in listed.splitlines()) for key in (i, uuid)}
     if not listed:  # no nvidia-smi: ask torch, in a child process, how many GPUs it sees
         names = {str(i): "GPU" for i in range(int(output_of([sys.executable, "-c", COUNT_GPUS]) or 0))}
     chosen = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -7,22 +7,18 @@ matplotlib.use("Agg")  # files only: works on machines without a display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bench.outputs import write_atomically  # noqa: E402
-from bench.scripts import SCRIPTS  # noqa: E402
-
-
-def lines(summary, column, scale):
-    """column x scale, one row per n and one column per line: "03 ddp_launch", [variant] and [B=...] when several."""
-    label = summary["mode"].map(lambda m: f"{SCRIPTS[m][:2]} {m}")
-    if summary["variant"].nunique() > 1:
-        label = label + " [" + summary["variant"] + "]"
-    if summary["batch"].nunique() > 1:
-        label = label + " [B=" + summary["batch"].astype(str) + "]"
-    table = summary.assign(line=label, y=scale * summary[column]).pivot_table(index="n", columns="line", values="y")
-    return table.dropna(axis=1, how="all")  # the labels start with the script's number: reading order
+from bench.scripts import MODES  # noqa: E402
 
 
 def draw(path, summary, column, title, ylabel, hardware, xlabel, bars=False, scale=1, ideal=None, empty=""):
-    table = lines(summary, column, scale)
+    """column x scale against n, a line (or bars) each labelled "03 ddp_launch", [variant] and [B=...] when several."""
+    label = summary["mode"].map(lambda m: f"{MODES[m].script[:2]} {m}")
+    if summary["variant"].nunique() > 1:
+        label = label + " [" + summary["variant"] + "]"
+    if summary["per_device_batch"].nunique() > 1:
+        label = label + " [B=" + summary["per_device_batch"].astype(str) + "]"
+    table = summary.assign(line=label, y=scale * summary[column]).pivot_table(index="n", columns="line", values="y")
+    table = table.dropna(axis=1, how="all")  # the labels start with the script's number: reading order
     colors = "tab20" if table.shape[1] > 10 else None  # the default cycle repeats after 10 lines
     fig, ax = plt.subplots(figsize=(8, 5))
     if table.empty:
@@ -47,7 +43,8 @@ def write_all(out_dir, summary, hardware, settings):
     hardware += " - synthetic data" if settings.synthetic else ""
     target = f"{settings.target_acc:.2%}"
     x01 = summary[(summary["mode"] == "single") & (summary["n"] == 1) & (summary["variant"] == "base")]
-    ideal = {f"ideal: n x 01 [B={b}]": (lambda n, x=x: n * x) for b, x in zip(x01["batch"], x01["samples_per_s"])}
+    ideal = {f"ideal: n x 01 [B={b}]": (lambda n, x=x: n * x)
+             for b, x in zip(x01["per_device_batch"], x01["samples_per_s"])}
     plots = [("throughput.png", "Training throughput", "samples_per_s", "throughput (samples/s, all devices)",
               dict(ideal=ideal)),
              ("efficiency.png", "Scaling efficiency E(n) = X(n) / (n X(01))", "efficiency", "efficiency (%)",

@@ -1,13 +1,17 @@
-"""summary.csv and report.md from runs.csv: medians, E(n), 06 and 07 against 03, variants, the limit model."""
+"""summary.csv and report.md from runs.csv: the numbers and tables here, the prose in report_template.md."""
 import math
 import os
+import pathlib
+import re
 
 import pandas as pd
 
 from bench.outputs import write_atomically, write_text
 from bench.scripts import MODES
 
-KEYS = ["variant", "batch", "mode", "n"]
+BLOCKS = dict(re.findall(r"^<!-- (\w+) -->\n(.*?)\n*(?=^<!-- |\Z)",
+                         pathlib.Path(__file__).with_name("report_template.md").read_text(), re.S | re.M))
+KEYS = ["variant", "per_device_batch", "mode", "n"]
 FIRSTS = ["world_size", "nodes", "global_batch", "loader_batch"]
 MEDIANS = ["samples_per_s", "time_to_target_s", "test_accuracy", "test_loss", "peak_memory_bytes", "wall_s"]
 FORMATS = {"speedup": "{:.2f}x".format, "speed_ratio": "{:.2f}x".format, "wall_ratio": "{:.2f}x".format,
@@ -17,40 +21,39 @@ SUMMARY_VIEW = dict(variant="variant", mode="mode", n="n", runs="runs", world_si
                     global_batch="global batch", samples_per_s="samples/s", speedup="speed-up vs 01",
                     efficiency="efficiency E(n)", time_to_target_s="time to target (s)", test_accuracy="test accuracy",
                     peak_memory_bytes="peak memory", wall_s="wall (s)")
-VERSUS_VIEW = dict(variant="variant", batch="per-GPU batch", mode="mode", n="n", samples_per_s_ref="{} samples/s",
-                   samples_per_s="samples/s", speed_ratio="samples/s ratio", wall_s_ref="{} wall (s)",
-                   wall_s="wall (s)", wall_ratio="wall-time ratio", accuracy_diff="accuracy change")
-LIMIT_VIEW = dict(variant="variant", mode="mode", n="n", batch="B", samples_per_s="measured samples/s",
+VERSUS_VIEW = dict(variant="variant", per_device_batch="per-GPU batch", mode="mode", n="n",
+                   samples_per_s_ref="{} samples/s", samples_per_s="samples/s", speed_ratio="samples/s ratio",
+                   wall_s_ref="{} wall (s)", wall_s="wall (s)", wall_ratio="wall-time ratio",
+                   accuracy_diff="accuracy change")
+LIMIT_VIEW = dict(variant="variant", mode="mode", n="n", per_device_batch="B", samples_per_s="measured samples/s",
                   t1_ms="t1 (ms)", t_ar_ms="t_ar (ms)", x_serial="X_serial", x_overlap="X_overlap",
                   pct_of_limit="% of the limit")
 
 
-def read_runs(out_dir):
-    return pd.read_csv(os.path.join(out_dir, "runs.csv"), keep_default_na=False, na_values=[""])
-
-
-def write_summary(out_dir, runs):
+def read_and_summarize(out_dir):
+    """runs.csv, and its summary, written to summary.csv."""
+    runs = pd.read_csv(os.path.join(out_dir, "runs.csv"), keep_default_na=False, na_values=[""])
     summary = summarize(runs)
     write_atomically(os.path.join(out_dir, "summary.csv"), lambda tmp: summary.to_csv(tmp, index=False))
-    return summary
+    return runs, summary
 
 
 def with_01(frame, summary):
-    """frame with x01: the samples/s of 01 at n = 1 with the same variant and batch (NaN where it did not run)."""
-    x01 = summary[(summary["mode"] == "single") & (summary["n"] == 1)][["variant", "batch", "samples_per_s"]]
-    return frame.merge(x01.rename(columns={"samples_per_s": "x01"}), on=["variant", "batch"], how="left")
+    """frame with x01: the samples/s of 01 at n = 1, same variant and per-device batch (NaN where it did not run)."""
+    x01 = summary[(summary["mode"] == "single") & (summary["n"] == 1)]
+    x01 = x01[["variant", "per_device_batch", "samples_per_s"]].rename(columns={"samples_per_s": "x01"})
+    return frame.merge(x01, on=["variant", "per_device_batch"], how="left")
 
 
 def summarize(runs):
-    """Median of the ok runs per (variant, batch, mode, n); E(n) = X(n) / (n X(01 at n = 1))."""
-    ok = runs[runs["status"] == "ok"]
-    groups = ok.groupby(KEYS, sort=False)
+    """Median of the ok runs per (variant, per-device batch, mode, n); E(n) = X(n) / (n X(01 at n = 1))."""
+    groups = runs[runs["status"] == "ok"].groupby(KEYS, sort=False)
     summary = groups[FIRSTS].first().join(groups[MEDIANS].median()).assign(runs=groups.size()).reset_index()
     summary = with_01(summary.reindex(columns=KEYS + ["runs"] + FIRSTS + MEDIANS), summary)
     summary["speedup"] = summary["samples_per_s"] / summary.pop("x01")
     summary["efficiency"] = summary["speedup"] / summary["n"]
-    return summary.sort_values(["variant", "batch", "n", "mode"], ignore_index=True,
-                               key=lambda c: c.map(MODES.index) if c.name == "mode" else c)
+    return summary.sort_values(["variant", "per_device_batch", "n", "mode"], ignore_index=True,
+                               key=lambda c: c.map(list(MODES).index) if c.name == "mode" else c)
 
 
 def versus(summary, chosen, reference, on):
@@ -70,14 +73,14 @@ def allreduce_seconds(env):
 
 
 def limit_model(summary, allreduce_s):
-    """Each multi-device row against its limit (the model is explained in limit_section)."""
+    """Each multi-device row against its limit (the model is explained in the template's limit block)."""
     rows = with_01(summary[summary["mode"] != "single"], summary).dropna(subset=["x01"])
-    batch, n = rows["batch"], rows["n"]
-    t1 = batch / rows["x01"]
+    per_device_batch, n = rows["per_device_batch"], rows["n"]
+    t1 = per_device_batch / rows["x01"]
     t_ar = n.map(lambda k: 0.0 if k == 1 else allreduce_s.get(k, math.nan))  # NaN: not measured, no limit
     rows["t1_ms"], rows["t_ar_ms"] = 1e3 * t1, 1e3 * t_ar
-    rows["x_serial"] = n * batch / (t1 + t_ar)
-    rows["x_overlap"] = n * batch / pd.concat([t1, t_ar], axis=1).max(axis=1, skipna=False)
+    rows["x_serial"] = n * per_device_batch / (t1 + t_ar)
+    rows["x_overlap"] = n * per_device_batch / pd.concat([t1, t_ar], axis=1).max(axis=1, skipna=False)
     rows["pct_of_limit"] = rows["samples_per_s"] / rows["x_overlap"]
     return rows.reset_index(drop=True)
 
@@ -100,84 +103,72 @@ def markdown(frame, view, hide=()):
     return "\n".join(lines)
 
 
-def comparison(title, text, table, reference, hide):
+def comparison(block, table, reference, hide, **values):
+    """The template's block with the table of rows against their reference rows (03, or the base sweep)."""
     view = {c: h.format(reference) for c, h in VERSUS_VIEW.items()}
-    return [f"## {title}", "", text, "", markdown(table, view, hide), ""] if len(table) else []
+    return [BLOCKS[block].format(table=markdown(table, view, hide), **values)] if len(table) else []
+
+
+def comparisons(summary, settings, hide):
+    """06 and 07 against 03 at the same n and batch; the variants against the base sweep."""
+    blocks, ddp = [], summary["mode"] == "ddp_launch"
+    for mode in ("ddp_fault_tolerant", "lightning"):
+        table = versus(summary, summary["mode"] == mode, ddp, ["variant", "per_device_batch", "n"])
+        blocks += comparison(mode, table, "03", hide | {"mode"})
+    base = summary["variant"] == "base"
+    table = versus(summary, ~base, base, ["per_device_batch", "mode", "n"])
+    on_synthetic = BLOCKS["variants_on_synthetic"] if settings.synthetic else ""
+    return blocks + comparison("variants", table, "base", hide - {"variant"}, on_synthetic=on_synthetic)
 
 
 def limit_section(summary, env, settings, hide):
     table = limit_model(summary, allreduce_seconds(env))
-    lines = ["## Limit model", "",
-             "Each multi-device run against a simple model of its limit: per step one device computes for t1 = B / "
-             "X(01 at n = 1), then the gradient is all-reduced in t_ar(n) (measured before the sweep by "
-             "bench/measure/allreduce.py; none at n = 1). Overlapped X_overlap(n) = n x B / max(t1, t_ar(n)); serial "
-             "X_serial(n) = n x B / (t1 + t_ar(n)); '% of the limit' = measured / X_overlap.", "",
-             markdown(table, LIMIT_VIEW, hide), ""]
-    lines += [f"All-reduce at n = {n} not measured ({f['error']}): its limits are left out.\n"
-              for n, f in (env.get("allreduce") or {}).items() if f.get("error")]
-    if ((table["mode"] == "dp") & (table["n"] > 1)).any():
-        lines += ["02 (DataParallel) has no all-reduce and is set against the same overlapped limit; it falls behind "
-                  "because one process scatters every batch, replicates the model to each GPU every step and gathers "
-                  "the outputs on GPU 0, all from one Python thread (the GIL).", ""]
-    if settings.cpu:
-        lines += [f"On the CPU t1 comes from 01 using all {settings.cores} cores, while each of the n processes gets "
-                  "cores / n threads: this limit is optimistic.", ""]
-    return lines if len(table) else []
+    blocks = [BLOCKS["limit"].format(table=markdown(table, LIMIT_VIEW, hide))]
+    blocks += [BLOCKS["allreduce_missing"].format(n=n, error=f["error"])
+               for n, f in (env.get("allreduce") or {}).items() if f.get("error")]
+    blocks += [BLOCKS["limit_dp"]] if ((table["mode"] == "dp") & (table["n"] > 1)).any() else []
+    blocks += [BLOCKS["limit_cpu"].format(cores=settings.cores)] if settings.cpu else []
+    return blocks if len(table) else []
 
 
 def loader_line(env, summary):
     """The input pipeline alone (bench/measure/loader_speed.py) against this sweep's 01 at the same batch."""
     loader = env.get("loader") or {}
     if "loader_samples_per_s" not in loader:
-        return f"Loader alone: not measured ({loader.get('error')})."
-    speed, batch = loader["loader_samples_per_s"], loader["batch_size"]
-    x01 = with_01(pd.DataFrame(dict(variant=["base"], batch=[batch])), summary)["x01"].iloc[0]
-    ratio = f" = {speed / x01:,.0f} x 01's {x01:,.0f} samples/s" if x01 > 0 else " (01 did not run at that batch)"
-    return f"Loader alone (bench/measure/loader_speed.py, batch {batch}): {speed:,.0f} samples/s{ratio}; the input " \
-           f"pipeline is not what the benchmark measures if that is at least {loader['required_ratio']}x."
+        return BLOCKS["loader_missing"].format(error=loader.get("error"))
+    speed, per_device_batch = loader["loader_samples_per_s"], loader["batch_size"]  # 01's --batch-size
+    x01 = with_01(pd.DataFrame(dict(variant=["base"], per_device_batch=[per_device_batch])), summary)["x01"].iloc[0]
+    versus_01 = BLOCKS["loader_versus_01"].format(ratio=speed / x01, x01=x01) if x01 > 0 else BLOCKS["loader_no_01"]
+    return BLOCKS["loader"].format(**loader, per_device_batch=per_device_batch, speed=speed, versus_01=versus_01)
 
 
-def write_report(out_dir, runs, summary, env, settings, left_out, plots, harness_command):
+def head(env, summary, settings):
+    """The title, the batch-size rules, the settings and the loader line."""
+    data = BLOCKS["synthetic"] if settings.synthetic else BLOCKS["mnist"].format(data_dir=settings.data_dir)
+    per_process = ", ".join(m.script[:2] for m in MODES.values() if m.launch not in ("python", "dp"))
+    return BLOCKS["head"].format(
+        hardware=env["hardware"], devices="processes" if settings.cpu else "GPUs", per_process=per_process,
+        per_device_batches=", ".join(map(str, settings.per_device_batches)), epochs=settings.epochs,
+        steps=settings.max_steps or "all", test_batch_size=settings.test_batch_size,
+        target_acc=settings.target_acc, data=data, loader=loader_line(env, summary))
+
+
+def write_report(out_dir, runs, summary, env, settings, left_out, plots):
     """report.md: readable on its own: tables, plots, failed runs, the environment and every command."""
-    hide = {c for c in ("variant", "batch") if summary[c].nunique() <= 1}
-    data = "**synthetic data** (throughput only)" if settings.synthetic else f"MNIST from {settings.data_dir}"
-    lines = [f"# Multi-GPU MNIST benchmark: {env['hardware']}", "",
-             f"n = number of {'processes' if settings.cpu else 'GPUs'}; B = the per-GPU batch "
-             f"({', '.join(map(str, settings.batches))}). 01 trains with --batch-size B; 02 gets n x B and n GPUs (on "
-             "the CPU it has no parallelism: n = 1 only); 03-07 get B in each of n processes, so every multi-device "
-             "mode has the global batch n x B. Values are medians of the ok runs; speed-up and E(n) = X(n) / (n X(01)) "
-             "compare with 01 at n = 1 with the same B.", "",
-             f"Settings: {settings.epochs} epoch(s) of {settings.max_steps or 'all'} steps, test batch "
-             f"{settings.test_batch_size}, target accuracy {settings.target_acc:.2%}, {data}.", "",
-             loader_line(env, summary), ""]
-    for batch in settings.batches:
-        rows = summary[summary["batch"] == batch]
-        lines += [f"## Summary: per-GPU batch {batch}", "", markdown(rows, SUMMARY_VIEW, hide), ""]
-    lines += ["Left out: " + "; ".join(left_out) + ".", ""] if left_out else []
-    for mode, title, text in [
-            ("ddp_fault_tolerant", "Snapshot cost: 06 against 03", "06 is 03 plus a snapshot of the training state "
-             "every epoch; wall time: the whole command."),
-            ("lightning", "Lightning overhead: 07 against 03", "07 is the same training in PyTorch Lightning's Trainer "
-             "(strategy ddp); wall time: the whole command, start-up included.")]:
-        table = versus(summary, summary["mode"] == mode, summary["mode"] == "ddp_launch", ["variant", "batch", "n"])
-        lines += comparison(title, text, table, "03", hide | {"mode"})
-    lines += comparison("Variants against the base sweep", "Same mode, n and batch; accuracy change in percentage "
-                        "points" + (" (meaningless on synthetic data)." if settings.synthetic else "."),
-                        versus(summary, summary["variant"] != "base", summary["variant"] == "base",
-                               ["batch", "mode", "n"]), "base", hide - {"variant"})
-    lines += limit_section(summary, env, settings, hide) + ["## Plots", ""]
-    lines += [f"![{title}]({name})\n" for name, title in plots] + ["## Failed runs", ""]
-    failed = runs[runs["status"] != "ok"]
-    for _, row in failed.iterrows():
-        lines += [f"### {row['run_id']}: {row['status']} ({row['error']})", "", f"Log: `{row['log_path']}`", "",
-                  "```", str(row["log_tail"]).strip(), "```", ""]
-    lines += (["None.", ""] if failed.empty else []) + ["## Environment (all of it in env.json)", ""]
-    lines += [f"- {k}: {v}" for k, v in env.items() if v not in (None, "") and len(str(v)) < 100 and "\n" not in str(v)
-              and not isinstance(v, (dict, list))] + [""]  # the short entries: versions, settings, hardware
-    if env.get("nvidia_smi_topo"):
-        lines += ["`nvidia-smi topo -m`:", "", "```", env["nvidia_smi_topo"], "```", ""]
-    lines += ["## Commands", "", "The harness:", "", "```", harness_command, "```", "",
-              f"Each run (python is {env['python']}, torchrun its `python -m torch.distributed.run`; logs in `logs/`, "
-              "metrics records in `metrics/`, every row in `runs.csv`):", "",
-              "```"] + [f"# {r['run_id']} [{r['status']}]\n{r['command']}" for _, r in runs.iterrows()] + ["```", ""]
-    write_text(os.path.join(out_dir, "report.md"), "\n".join(lines))
+    hide = {c for c in ("variant", "per_device_batch") if summary[c].nunique() <= 1}
+    blocks = [head(env, summary, settings)] + [BLOCKS["summary"].format(per_device_batch=b, table=markdown(
+        summary[summary["per_device_batch"] == b], SUMMARY_VIEW, hide)) for b in settings.per_device_batches]
+    blocks += [BLOCKS["left_out"].format(left_out="; ".join(left_out))] if left_out else []
+    blocks += comparisons(summary, settings, hide) + limit_section(summary, env, settings, hide)
+    images = [BLOCKS["plot"].format(name=name, title=title) for name, title in plots]
+    failed = [BLOCKS["failed_run"].format(**{**row, "log_tail": str(row["log_tail"]).strip()})
+              for _, row in runs[runs["status"] != "ok"].iterrows()]
+    entries = [f"- {k}: {v}" for k, v in env.items() if v not in (None, "") and len(str(v)) < 100
+               and "\n" not in str(v) and not isinstance(v, (dict, list))]  # the short ones: versions, settings...
+    blocks += [BLOCKS["plots"].format(images="\n\n".join(images)),
+               BLOCKS["failed"].format(runs="\n\n".join(failed or [BLOCKS["no_failures"]])),
+               BLOCKS["environment"].format(entries="\n".join(entries))]
+    blocks += [BLOCKS["topology"].format(**env)] if env.get("nvidia_smi_topo") else []
+    commands = "\n".join(BLOCKS["command"].format(**row) for _, row in runs.iterrows())
+    blocks += [BLOCKS["commands"].format(**env, commands=commands)]  # the harness's command and python too
+    write_text(os.path.join(out_dir, "report.md"), "\n\n".join(blocks) + "\n")

@@ -16,14 +16,15 @@ import os
 import shlex
 import signal
 import sys
+import tempfile
 
 if not __package__:  # `python bench/run_all.py`: the package is importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench import machine, plan, runner  # noqa: E402
+from bench import machine, measurements, plan, runs_table  # noqa: E402
 from bench.commands import as_typed, commands, repo_relative  # noqa: E402
 from bench.fake_mnist import missing_mnist_files  # noqa: E402
 from bench.outputs import read_json, write_json  # noqa: E402
-from bench.scripts import MODES, REPO, SCRIPTS  # noqa: E402
+from bench.scripts import MODES, REPO  # noqa: E402
 
 DEFAULTS = dict(gpu=dict(epochs=3, max_steps=0), cpu=dict(epochs=1, max_steps=150, processes=2))
 
@@ -54,12 +55,12 @@ def int_list(text):
 
 
 def mode_list(text):
-    """Modes by name or number (01..07), in reading order whatever the order given."""
-    numbers = {script[:2]: mode for mode, script in SCRIPTS.items()}
+    """Modes by name or by their script's number (01, 03, ...), in reading order whatever the order given."""
+    numbers = {mode.script[:2]: name for name, mode in MODES.items()}
     modes = {numbers.get(m.strip(), m.strip()) for m in text.split(",")}
     if modes - set(MODES):
         raise argparse.ArgumentTypeError(f"unknown mode {', '.join(sorted(modes - set(MODES)))}: "
-                                         f"choose from {', '.join(MODES)} (or 01..07)")
+                                         f"choose from {', '.join(MODES)} (or their numbers)")
     return [m for m in MODES if m in modes]
 
 
@@ -77,13 +78,15 @@ def parse_args(argv):
     where = p.add_mutually_exclusive_group()
     where.add_argument("--gpus", type=int_list, help="positions among the visible GPUs, e.g. 0,1,2,3 (default: all)")
     where.add_argument("--cpu", type=at_least(1), metavar="N", help="1..N CPU processes (default 2 without GPUs)")
-    p.add_argument("--per-gpu-batch", type=int_list, default=[64], metavar="B,...", help="each is swept (default 64)")
+    p.add_argument("--per-gpu-batch", type=int_list, default=[64], metavar="B,...", dest="per_device_batches",
+                   help="the batch of each device (GPU or CPU process); each is swept (default 64)")
     p.add_argument("--epochs", type=at_least(1), help="epochs per run (default: 3 on GPUs, 1 on the CPU)")
     p.add_argument("--max-steps", type=at_least(0), help="steps per epoch, 0: all (default: 0 on GPUs, 150 on CPU)")
     p.add_argument("--test-batch-size", type=at_least(1), default=1000)
     p.add_argument("--seed", type=int, default=1, help="seed of repeat 1; repeat k uses seed + k - 1")
     p.add_argument("--repeats", type=at_least(1), default=1, metavar="K", help="runs per row; tables show medians")
-    p.add_argument("--modes", type=mode_list, default=MODES, help=f"comma-separated from {', '.join(MODES)}, or 01..07")
+    p.add_argument("--modes", type=mode_list, default=list(MODES),
+                   help=f"comma-separated from {', '.join(MODES)}, or their numbers (01,03)")
     p.add_argument("--synthetic", action="store_true", help="random MNIST-shaped data: throughput only, no download")
     p.add_argument("--data-dir", default="data", help="torchvision's MNIST folder (default ./data)")
     p.add_argument("--no-download", action="store_true", help="stop if MNIST is not in --data-dir")
@@ -112,25 +115,26 @@ def choose_gpus(args):
 
 
 def check_out(path, resume, force):
-    """Prove the folder can be made and written before anything is downloaded or run (nothing is created)."""
+    """Before anything runs, write as the first write will: a temporary file in the folder, or the nearest above."""
     existing = path
-    while not os.path.exists(existing):
+    while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        raise BadArgument(f"cannot create output folder {path}: {existing} is not a writable folder")
+    try:
+        tempfile.NamedTemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise BadArgument(f"cannot create output folder {path}: cannot write in {existing} ({e.strerror})")
     if os.path.exists(os.path.join(path, "runs.csv")) and not (resume or force):
         raise BadArgument(f"{path} holds a sweep: --resume continues it, --force replaces it, --out goes elsewhere")
 
 
-def earlier_runs(out_dir, settings):
-    """The ok rows of an earlier attempt at the same sweep, by run id, for --resume."""
+def earlier_runs(out_dir, settings, earlier_settings):
+    """The ok rows of an earlier attempt at the same sweep (with these settings), by run id, for --resume."""
     if not os.path.exists(os.path.join(out_dir, "runs.csv")):
         return {}
-    earlier = read_json(os.path.join(out_dir, "env.json"), {}).get("settings") or {}
-    diff = sorted(k for k, v in settings.comparable().items() if earlier.get(k) != v)
+    diff = sorted(k for k, v in settings.comparable().items() if earlier_settings.get(k) != v)
     if diff:
         raise BadArgument(f"cannot --resume {out_dir}: it was run with other settings ({', '.join(diff)})")
-    return {r["run_id"]: r for r in runner.read_runs(out_dir) if r["status"] == "ok"}
+    return {r["run_id"]: r for r in runs_table.read_runs(out_dir) if r["status"] == "ok"}
 
 
 def download_mnist(data_dir, allowed):
@@ -166,17 +170,18 @@ def main(argv=None):
         gpus = choose_gpus(args)
         defaults = DEFAULTS["gpu" if gpus else "cpu"]
         settings = plan.Settings(
-            gpus=[i for i, _ in gpus], max_n=len(gpus) or args.cpu or defaults["processes"], batches=args.per_gpu_batch,
-            epochs=args.epochs or defaults["epochs"], test_batch_size=args.test_batch_size,
+            gpus=[i for i, _ in gpus], max_n=len(gpus) or args.cpu or defaults["processes"],
+            per_device_batches=args.per_device_batches, epochs=args.epochs or defaults["epochs"],
             max_steps=defaults["max_steps"] if args.max_steps is None else args.max_steps, seed=args.seed,
-            synthetic=args.synthetic, data_dir=repo_relative(args.data_dir), target_acc=args.target_acc,
-            timeout=args.timeout, cores=machine.cpu_cores())
+            test_batch_size=args.test_batch_size, synthetic=args.synthetic, data_dir=repo_relative(args.data_dir),
+            target_acc=args.target_acc, timeout=args.timeout, cores=machine.cpu_cores())
         runs, left_out = plan.plan(settings, args.modes, [("base", [])] + args.variants, args.repeats)
         if not runs:
             raise BadArgument("nothing to run: " + "; ".join(left_out))
         out_dir = os.path.abspath(args.out or os.path.join(REPO, "results", machine.machine_tag([n for _, n in gpus])))
         check_out(out_dir, args.resume, args.force)
-        done = earlier_runs(out_dir, settings) if args.resume else {}
+        earlier = read_json(os.path.join(out_dir, "env.json"), {}) if args.resume else {}
+        done = earlier_runs(out_dir, settings, earlier.get("settings") or {}) if args.resume else {}
         print_plan(runs, done, settings, left_out)
         if args.dry_run:
             return 0
@@ -190,21 +195,19 @@ def main(argv=None):
     os.makedirs(os.path.join(out_dir, "metrics"), exist_ok=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # killed, it stops its runs as after Ctrl-C
     try:
-        hardware = machine.hardware_label([n for _, n in gpus], settings.max_n)
-        env = dict(machine.environment(REPO, gpus), python=sys.executable, harness_command=command, hardware=hardware,
+        env = dict(machine.environment(REPO, gpus), python=sys.executable, harness_command=command,
+                   hardware=machine.hardware_label([n for _, n in gpus], settings.max_n),
                    settings=settings.comparable())
         print(f"benchmarking on {env['hardware']} -> {out_dir}", flush=True)
         # A resumed sweep keeps what was measured when it started: the same machine, and seconds saved.
-        earlier = read_json(os.path.join(out_dir, "env.json"), {}) if args.resume else {}
-        env["loader"] = earlier.get("loader") or runner.measure_loader(settings, out_dir)
-        env["allreduce"] = earlier.get("allreduce") or runner.measure_allreduce(settings, out_dir)
+        env["loader"] = earlier.get("loader") or measurements.measure_loader(settings, out_dir)
+        env["allreduce"] = earlier.get("allreduce") or measurements.measure_allreduce(settings, out_dir)
         write_json(os.path.join(out_dir, "env.json"), env)
-        runner.write_runs(out_dir, runner.run_plan(runs, done, settings, out_dir))
+        runs_table.write_runs(out_dir, runs_table.run_plan(runs, done, settings, out_dir))
         from bench import plots, report  # seconds to import: not before the arguments are checked
-        frame = report.read_runs(out_dir)
-        summary = report.write_summary(out_dir, frame)
+        frame, summary = report.read_and_summarize(out_dir)
         written = plots.write_all(out_dir, summary, env["hardware"], settings)
-        report.write_report(out_dir, frame, summary, env, settings, left_out, written, command)
+        report.write_report(out_dir, frame, summary, env, settings, left_out, written)
     except KeyboardInterrupt:
         print(f"\ninterrupted: the finished runs are in {out_dir}/runs.csv; add --resume to continue", file=sys.stderr)
         return 130

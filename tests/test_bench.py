@@ -10,12 +10,12 @@ import uuid
 import pandas as pd
 import pytest
 
-from conftest import ROOT, load_script
-from bench import plan, report, run_all, runner
+from conftest import ROOT, TORCHRUN, load_script, script_command
+from bench import plan, report, run_all, runs_table
 from bench.commands import commands
 from bench.scripts import MODES
 
-AVAILABLE = [m for m in MODES if not plan.unavailable_reason(m)]  # 06 and 07 while they are being written
+AVAILABLE = [m for m in MODES if not plan.unavailable_reason(m)]  # 08 until it is written
 B = 16  # a small per-GPU batch and 6 steps (> the scripts' 5 warm-up steps): quick runs on a busy CPU
 TINY = ["--max-steps", "6", "--per-gpu-batch", B, "--test-batch-size", "1000"]
 
@@ -63,8 +63,8 @@ def test_device_counts_are_one_then_powers_of_two_then_all(max_n, counts):
     assert plan.device_counts(max_n) == counts
 
 
-def gpu_settings(ids, batches=(32,)):
-    return plan.Settings(gpus=ids, max_n=len(ids), batches=list(batches), epochs=1, max_steps=0,
+def gpu_settings(ids, per_device_batches=(32,)):
+    return plan.Settings(gpus=ids, max_n=len(ids), per_device_batches=list(per_device_batches), epochs=1, max_steps=0,
                          test_batch_size=1000, seed=1, synthetic=True, data_dir="data", target_acc=0.98, timeout=60,
                          cores=16)
 
@@ -72,8 +72,8 @@ def gpu_settings(ids, batches=(32,)):
 def test_gpu_commands_follow_the_batch_size_rules_and_use_the_harness_interpreter():
     settings = gpu_settings(["4", "5", "6", "7"])
     runs, _ = plan.plan(settings, MODES, [("base", [])], repeats=1)
-    assert [(r.mode, r.n) for r in runs] == [(m, 1) for m in MODES if m != "ddp_multinode"] + [
-        (m, n) for n in (2, 4) for m in MODES if m != "single"]
+    assert [(r.mode, r.n) for r in runs] == [(m, 1) for m in AVAILABLE if m != "ddp_multinode"] + [
+        (m, n) for n in (2, 4) for m in AVAILABLE if m != "single"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     for run in runs:
         cmds = commands(run, settings, "m.json", "run/snapshot.pt")
@@ -99,15 +99,31 @@ def test_gpu_commands_follow_the_batch_size_rules_and_use_the_harness_interprete
             assert argv[2:8] == ["--devices", str(run.n), "--strategy", "ddp", "--accelerator", "gpu"]
 
 
+def test_the_tests_start_each_script_as_the_harness_does():
+    """conftest's script_command reads the same table of modes: the same launcher and process count (05's
+    nodes and the harness's own flags aside), 08 too before it exists; torchrun's options go before the script."""
+    settings = gpu_settings(["0", "1"])
+    for mode in MODES:
+        argv = commands(plan.Run("base", (), mode, 2, 32, 1), settings, "m.json", "s.pt")[0][1]
+        typed = script_command(MODES[mode].script, nprocs=2)
+        assert typed == [str(ROOT / a) if a.endswith(".py") else a for a in argv[:len(typed)]], (mode, typed)
+    assert script_command("03_ddp_launch.py", "--epochs", 1, nprocs=3, launcher=["--max-restarts", 0]) == [
+        *TORCHRUN, "--standalone", "--nproc_per_node", "3", "--max-restarts", "0", str(ROOT / "03_ddp_launch.py"),
+        "--epochs", "1"]
+    assert script_command("04_ddp_spawn.py", "--nprocs", 2) == [sys.executable, str(ROOT / "04_ddp_spawn.py"),
+                                                                "--nprocs", "2"]  # given by the caller: once
+
+
 def test_each_per_gpu_batch_variant_and_repeat_is_a_run_of_its_own():
-    settings = gpu_settings(["0", "1"], batches=(64, 512))
+    settings = gpu_settings(["0", "1"], per_device_batches=(64, 512))
     runs, _ = plan.plan(settings, ["single", "ddp_spawn"], [("base", []), ("nodrop", ["--no-dropout"])], repeats=2)
     assert len(runs) == 2 * 2 * 2 * 3 and len({r.run_id for r in runs}) == len(runs)
     for run in runs:
         argv = commands(run, settings, "m.json", "s.pt")[0][1]
         assert ("--no-dropout" in argv) == (run.variant == "nodrop")
         assert argv[argv.index("--seed") + 1] == str(run.repeat)  # each repeat its own seed
-        assert argv[argv.index("--batch-size") + 1] == str(run.batch) and f"-b{run.batch}-" in run.run_id
+        assert argv[argv.index("--batch-size") + 1] == str(run.per_device_batch)
+        assert f"-b{run.per_device_batch}-" in run.run_id
 
 
 def test_each_variant_is_a_name_and_its_script_flags_the_last_of_a_name_counting():
@@ -124,11 +140,12 @@ def test_cuda_visible_devices_set_by_the_user_chooses_the_gpus_and_gpus_counts_w
     assert "  ddp_launch-n4-b64-r1: CUDA_VISIBLE_DEVICES=4,5,6,7 torchrun --standalone --nproc_per_node 4 " \
            "03_ddp_launch.py --batch-size 64" in "\n".join(lines)
     assert any(line.startswith("  single-n1-b64-r1: CUDA_VISIBLE_DEVICES=4 python 01_single_gpu.py") for line in lines)
-    assert not (tmp_path / "out").exists()  # a dry run runs and writes nothing
+    assert not list(tmp_path.iterdir())  # a dry run runs and writes nothing (its check of --out leaves nothing)
     result = harness("--synthetic", "--dry-run", "--gpus", "1,2", "--per-gpu-batch", "64,512", "--out", tmp_path,
                      env=env, timeout=60)
     assert "  ddp_spawn-n2-b512-r1: CUDA_VISIBLE_DEVICES=5,6 python 04_ddp_spawn.py --nprocs 2" in result.stdout
     assert "roughly" in result.stdout.splitlines()[0] and "runs planned" in result.stdout.splitlines()[0]
+    assert not list(tmp_path.iterdir())
 
 
 def hand_made_summary():
@@ -137,7 +154,7 @@ def hand_made_summary():
             ("base", "ddp_launch", 2, 1500, 0.50, 12), ("base", "ddp_spawn", 4, 2000, 0.50, 13),
             ("base", "ddp_fault_tolerant", 2, 1200, 0.50, 18), ("base", "lightning", 2, 1000, 0.50, 24),
             ("fast", "single", 1, 2000, 0.52, 9), ("fast", "ddp_launch", 2, 2500, 0.49, 10)]
-    return pd.DataFrame([dict(variant=v, batch=64, mode=m, n=n, per_device_batch=64, samples_per_s=float(x),
+    return pd.DataFrame([dict(variant=v, per_device_batch=64, mode=m, n=n, samples_per_s=float(x),
                               test_accuracy=a, wall_s=float(w)) for v, m, n, x, a, w in rows])
 
 
@@ -160,38 +177,39 @@ def test_limit_model_sets_each_run_against_compute_and_all_reduce_time():
 def test_06_and_07_are_set_against_03_and_variants_against_the_base_sweep():
     summary = hand_made_summary()
     table = report.versus(summary, summary["mode"].isin(["ddp_fault_tolerant", "lightning"]),
-                          summary["mode"] == "ddp_launch", ["variant", "batch", "n"]).set_index("mode")
+                          summary["mode"] == "ddp_launch", ["variant", "per_device_batch", "n"]).set_index("mode")
     assert table.loc["ddp_fault_tolerant", "speed_ratio"] == pytest.approx(1200 / 1500)
     assert table.loc["lightning", "wall_ratio"] == pytest.approx(2.0) and table.loc["lightning", "wall_s_ref"] == 12
     table = report.versus(summary, summary["variant"] != "base", summary["variant"] == "base",
-                          ["batch", "mode", "n"]).set_index(["mode", "n"])
+                          ["per_device_batch", "mode", "n"]).set_index(["mode", "n"])
     assert list(table.index) == [("single", 1), ("ddp_launch", 2)]
     assert table.loc[("single", 1), "speed_ratio"] == pytest.approx(2.0)
     assert table.loc[("ddp_launch", 2), "accuracy_diff"] == pytest.approx(-0.01)
 
 
 def test_efficiency_compares_each_batch_with_01_at_the_same_batch():
-    rows = [(64, "single", 1, 1000), (64, "ddp_launch", 2, 1500), (512, "single", 1, 4000), (512, "ddp_launch", 2, 8000)]
-    runs = pd.DataFrame([dict(variant="base", batch=b, mode=m, n=n, samples_per_s=float(x), status="ok")
-                         for b, m, n, x in rows]).reindex(columns=runner.COLUMNS)
-    summary = report.summarize(runs).set_index(["batch", "mode"])
+    rows = [(64, "single", 1, 1000), (64, "ddp_launch", 2, 1500),
+            (512, "single", 1, 4000), (512, "ddp_launch", 2, 8000)]
+    runs = pd.DataFrame([dict(variant="base", per_device_batch=b, mode=m, n=n, samples_per_s=float(x), status="ok")
+                         for b, m, n, x in rows]).reindex(columns=runs_table.COLUMNS)
+    summary = report.summarize(runs).set_index(["per_device_batch", "mode"])
     assert summary.loc[(64, "ddp_launch"), "efficiency"] == pytest.approx(0.75)
     assert summary.loc[(512, "ddp_launch"), "efficiency"] == pytest.approx(1.0)
 
 
 def test_a_gpu_sweep_counts_a_run_that_trained_on_the_cpu_as_failed():
     settings = gpu_settings(["0"])
-    assert runner.status(0, False, {"device_type": "cuda"}, settings) == ("ok", "")
-    state, error = runner.status(0, False, {"device_type": "cpu"}, settings)
+    assert runs_table.status(0, False, {"device_type": "cuda"}, settings) == ("ok", "")
+    state, error = runs_table.status(0, False, {"device_type": "cpu"}, settings)
     assert state == "failed" and "trained on cpu, not on a GPU" in error
-    assert runner.status(0, False, {"device_type": "cpu"}, dataclasses.replace(settings, gpus=[]))[0] == "ok"
+    assert runs_table.status(0, False, {"device_type": "cpu"}, dataclasses.replace(settings, gpus=[]))[0] == "ok"
 
 
 def test_time_to_target_counts_training_time_until_the_first_epoch_at_target():
     epochs = [dict(train_time_s=10, test_accuracy=0.95), dict(train_time_s=9, test_accuracy=0.981),
               dict(train_time_s=8, test_accuracy=0.99)]
-    assert runner.time_to_target({"epochs_detail": epochs}, 0.98) == 19
-    assert runner.time_to_target({"epochs_detail": epochs}, 0.995) is None
+    assert runs_table.time_to_target({"epochs_detail": epochs}, 0.98) == 19
+    assert runs_table.time_to_target({"epochs_detail": epochs}, 0.995) is None
 
 
 # ---- bad arguments: one line on stderr, exit 2, nothing run
@@ -206,13 +224,20 @@ def test_time_to_target_counts_training_time_until_the_first_epoch_at_target():
     (["--variant", "nameless"], "--variant"),
     (["--variant", "base=--lr 2"], "(not base)"),
     (["--resume", "--force"], "not allowed with argument"),
+    (["--out", "{file}"], "cannot create output folder"),  # --out is a file
+    (["--out", "{file}/out"], "cannot create output folder"),  # --out's parent is a file
 ])
 def test_bad_arguments_give_one_line_and_exit_2(tmp_path, fake_machine, args, message):
-    result = harness(*args, "--synthetic", "--out", tmp_path / "out", env=fake_machine, timeout=60)
+    """... and nothing is written: the file in the way keeps its bytes, and nothing is left beside it."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("kept")
+    args = [arg.format(file=blocker) for arg in args]
+    result = harness("--synthetic", "--out", tmp_path / "out", *args, env=fake_machine, timeout=60)  # the last --out
     assert result.returncode == 2, result
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ") and message in result.stderr, \
         result.stderr
     assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"] and blocker.read_text() == "kept"
 
 
 def test_unwritable_output_and_missing_data_are_refused_before_any_run(tmp_path):
@@ -239,7 +264,7 @@ def test_every_script_accepts_the_commands_the_harness_gives_it(settings, tmp_pa
         for _, argv in commands(run, settings, tmp_path / "m.json", tmp_path / "s.pt"):
             script = next(arg for arg in argv if arg.endswith(".py"))
             args = load_script(script).parse_args(argv[argv.index(script) + 1:])
-            assert args.batch_size == (run.n * run.batch if run.mode == "dp" else run.batch), argv
+            assert args.batch_size == run.per_device_batch * (run.n if run.mode == "dp" else 1), argv
 
 FAIL_01 = """import os, sys
 if os.path.basename(sys.argv[0]) == "01_single_gpu.py" and os.environ.get("BENCH_TEST_FAIL_01"):
@@ -304,6 +329,7 @@ def test_recorded_batches_follow_the_rules(full_sweep):
         loader_batch = row["n"] * B if row["mode"] == "dp" else B  # 02 splits n x B over its GPUs
         assert int(argv[argv.index("--batch-size") + 1]) == row["loader_batch"] == loader_batch
         assert record["global_batch"] == row["n"] * B and record["mode"] == row["mode"]
+        assert record["per_device_batch"] == row["per_device_batch"] == B  # the plan's, in runs.csv
         if row["mode"] == "ddp_multinode":
             assert record["nodes"] == 2
 

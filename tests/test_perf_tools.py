@@ -9,7 +9,7 @@ import torch
 from torchvision import datasets
 
 from conftest import ROOT, load_script, write_fake_mnist
-from bench import plan, report, runner
+from bench import measurements, plan, report
 
 
 def tool(name, *args, timeout=240):
@@ -29,13 +29,13 @@ def test_loader_speed_reports_the_loader_alone_over_whole_epochs(tmp_path):
 
 def test_harness_measures_the_loader_alone_and_report_divides_it_by_01s_throughput(tmp_path):
     # A large batch: few batches per epoch keep this test quick; the measurement means the same.
-    settings = plan.Settings(gpus=[], max_n=1, batches=[1000], epochs=1, max_steps=8, test_batch_size=1000,
+    settings = plan.Settings(gpus=[], max_n=1, per_device_batches=[1000], epochs=1, max_steps=8, test_batch_size=1000,
                              seed=1, synthetic=True, data_dir="data", target_acc=0.98, timeout=60, cores=2)
     (tmp_path / "logs").mkdir()
-    loader = runner.measure_loader(settings, str(tmp_path))
+    loader = measurements.measure_loader(settings, str(tmp_path))
     assert loader["loader_samples_per_s"] > 0 and loader["batch_size"] == 1000, loader
     train = loader["loader_samples_per_s"] / 100
-    summary = pd.DataFrame([dict(variant="base", batch=1000, mode="single", n=1, samples_per_s=train)])
+    summary = pd.DataFrame([dict(variant="base", per_device_batch=1000, mode="single", n=1, samples_per_s=train)])
     assert "= 100 x 01's " in report.loader_line(dict(loader=loader), summary)
     assert "not measured (boom)" in report.loader_line(dict(loader={"error": "boom"}), summary)
 

@@ -21,21 +21,8 @@ from bench.scripts import REPO, load_script
 FP32_BYTES = 4
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nprocs", type=int, default=2, help="processes, one per GPU (default 2)")
-    p.add_argument("--cpu", action="store_true", help="gloo on the CPU (default: NCCL, one GPU per process)")
-    p.add_argument("--min-bytes", type=int, default=4 << 10, help="smallest message (default 4 KiB)")
-    p.add_argument("--max-bytes", type=int, default=64 << 20, help="largest message (default 64 MiB)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed iterations per size (default 5)")
-    p.add_argument("--iters", type=int, default=20, help="timed iterations per size; the median counts (default 20)")
-    p.add_argument("--json", type=json_path, metavar="PATH", help="rank 0 writes the results here, env.json beside it")
-    p.add_argument("--no-env", action="store_true", help="no env.json beside --json (the harness writes its own)")
-    return p.parse_args(argv)
-
-
 def time_size(nbytes, device, args):
-    """Median over --iters of the slowest rank's seconds for one all-reduce of nbytes."""
+    """The row of nbytes: the median over --iters of the slowest rank's time for one all-reduce, its bandwidths."""
     import torch
     import torch.distributed as dist
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device: None)
@@ -52,27 +39,24 @@ def time_size(nbytes, device, args):
         times.append(time.perf_counter() - t0)
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return statistics.median(slowest.tolist())
+    seconds, n = statistics.median(slowest.tolist()), args.nprocs
+    return dict(bytes=nbytes, time_us=seconds * 1e6, algbw_gb_s=nbytes / seconds / 1e9,
+                busbw_gb_s=nbytes / seconds / 1e9 * 2 * (n - 1) / n)
 
 
 def worker(rank, args, params):
     """One rank: join the group, time every size; rank 0 reports."""
     import torch
     import torch.distributed as dist
-    cuda = not args.cpu
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", rank)
     torch.set_num_threads(max(1, cpu_cores() // args.nprocs))  # the scripts' rule: cores / processes
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=args.nprocs,
-                            timeout=timedelta(seconds=60), device_id=device if cuda else None)
+    dist.init_process_group("gloo" if args.cpu else "nccl", rank=rank, world_size=args.nprocs,
+                            timeout=timedelta(seconds=60), device_id=None if args.cpu else device)
     try:
-        n, gradient = args.nprocs, params * FP32_BYTES
+        gradient = params * FP32_BYTES
         sizes = {gradient} | {args.min_bytes * 4 ** k // FP32_BYTES * FP32_BYTES for k in range(32)
                               if args.min_bytes * 4 ** k <= args.max_bytes}
-        rows = []
-        for nbytes in sorted(sizes):
-            seconds = time_size(nbytes, device, args)
-            rows.append(dict(bytes=nbytes, time_us=seconds * 1e6, algbw_gb_s=nbytes / seconds / 1e9,
-                             busbw_gb_s=nbytes / seconds / 1e9 * 2 * (n - 1) / n, gradient=nbytes == gradient))
+        rows = [dict(time_size(nbytes, device, args), gradient=nbytes == gradient) for nbytes in sorted(sizes)]
         if rank == 0:
             report(args, rows, dist.get_backend(), device, params)
     finally:
@@ -96,8 +80,17 @@ def report(args, rows, backend, device, params):
 
 def main(argv=None):
     import torch.multiprocessing as mp
-    args = parse_args(argv)
-    params = sum(p.numel() for p in load_script().Net().parameters())  # built once: the ranks need torch only
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nprocs", type=int, default=2, help="processes, one per GPU (default 2)")
+    p.add_argument("--cpu", action="store_true", help="gloo on the CPU (default: NCCL, one GPU per process)")
+    p.add_argument("--min-bytes", type=int, default=4 << 10, help="smallest message (default 4 KiB)")
+    p.add_argument("--max-bytes", type=int, default=64 << 20, help="largest message (default 64 MiB)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed iterations per size (default 5)")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per size; the median counts (default 20)")
+    p.add_argument("--json", type=json_path, metavar="PATH", help="rank 0 writes the results here, env.json beside it")
+    p.add_argument("--no-env", action="store_true", help="no env.json beside --json (the harness writes its own)")
+    args = p.parse_args(argv)
+    params = sum(param.numel() for param in load_script().Net().parameters())  # built once: the ranks need torch only
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))  # several runs may share a host
     mp.spawn(worker, args=(args, params), nprocs=args.nprocs)

@@ -17,21 +17,11 @@ from bench.scripts import load_script
 REQUIRED_RATIO = 50  # loader samples/s over training samples/s
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-dir", default="data", help="torchvision's MNIST folder (as 01's --data-dir)")
-    p.add_argument("--synthetic", action="store_true", help="random MNIST-shaped data (as 01's --synthetic)")
-    p.add_argument("--cpu", action="store_true", help="ignore GPUs")
-    p.add_argument("--batch-size", type=int, default=64, help="01's --batch-size (default 64)")
-    p.add_argument("--passes", type=int, default=5, help="timed epochs; the median counts (default 5)")
-    p.add_argument("--json", type=json_path, metavar="PATH", help="write the results here")
-    return p.parse_args(argv)
-
-
-def loader_pass(m01, data, indices, batch_size, device, warmup):
+def loader_pass(m01, data, sampler, epoch, batch_size, device, warmup):
     """Samples/s of one epoch of 01's batches(): each batch taken on the device, nothing else."""
+    sampler.set_epoch(epoch)
     samples, t0 = 0, None
-    for i, (images, labels) in enumerate(m01.batches(data, indices, batch_size)):
+    for i, (images, labels) in enumerate(m01.batches(data, list(sampler), batch_size)):
         if i == warmup:
             t0 = m01.clock(device)
         samples += len(labels) if i >= warmup else 0
@@ -39,22 +29,26 @@ def loader_pass(m01, data, indices, batch_size, device, warmup):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir", default="data", help="torchvision's MNIST folder (as 01's --data-dir)")
+    p.add_argument("--synthetic", action="store_true", help="random MNIST-shaped data (as 01's --synthetic)")
+    p.add_argument("--cpu", action="store_true", help="ignore GPUs")
+    p.add_argument("--batch-size", type=int, default=64, help="01's --batch-size (default 64)")
+    p.add_argument("--passes", type=int, default=5, help="timed epochs; the median counts (default 5)")
+    p.add_argument("--json", type=json_path, metavar="PATH", help="write the results here")
+    args = p.parse_args(argv)
     m01 = load_script()
     a = m01.parse_args(["--batch-size", str(args.batch_size), "--data-dir", args.data_dir]
                        + ["--synthetic"] * args.synthetic + ["--cpu"] * args.cpu)  # what a run of 01 sees
-    ctx = m01.setup(a)  # device and threads by 01's own rule
-    device = ctx["device"]
+    device = m01.setup(a).device  # 01's device, and its threads
     data = [t.to(device) for t in m01.load_mnist(a, train=True)]  # as 01's run() does
     sampler = m01.DistributedSampler(range(len(data[1])), num_replicas=1, rank=0, seed=a.seed)
     warmup = min(m01.WARMUP_STEPS, len(sampler) // a.batch_size - 1)  # the same warm-up as 01's training
-    speeds = []
-    for epoch in range(1, args.passes + 1):
-        sampler.set_epoch(epoch)
-        speeds.append(loader_pass(m01, data, list(sampler), a.batch_size, device, warmup))
+    speeds = [loader_pass(m01, data, sampler, e, a.batch_size, device, warmup) for e in range(1, args.passes + 1)]
     result = dict(loader_samples_per_s=statistics.median(speeds), loader_passes_samples_per_s=speeds,
-                  required_ratio=REQUIRED_RATIO, device=str(device), threads=ctx["threads"], batch_size=a.batch_size,
-                  train_samples=len(sampler), warmup_batches=warmup, synthetic=a.synthetic, argv=sys.argv)
+                  required_ratio=REQUIRED_RATIO, device=str(device), threads=m01.torch.get_num_threads(),
+                  batch_size=a.batch_size, train_samples=len(sampler), warmup_batches=warmup, synthetic=a.synthetic,
+                  argv=sys.argv)
     print(f"loader alone: {result['loader_samples_per_s']:,.0f} samples/s on {device} (batch {a.batch_size}, median "
           f"of {args.passes} epochs); the suite needs at least {REQUIRED_RATIO} x 01's samples/s", flush=True)
     if args.json:

@@ -1,0 +1,43 @@
+"""The tools of bench/measure/ before a sweep, each in its own process: the harness never initialises CUDA."""
+import math
+import os
+import pathlib
+import sys
+
+from bench.commands import visible
+from bench.outputs import read_json
+from bench.plan import device_counts
+from bench.processes import log_tail, run_processes
+
+MEASURE_TIMEOUT_S = 300
+
+
+def run_tool(tool, args, out_dir, name, gpus):
+    """A tool of bench/measure/ on these GPUs: its JSON, or {'error'} saying why there is none."""
+    path, log = os.path.join(out_dir, f"{name}.json"), os.path.join(out_dir, "logs", f"{name}.log")
+    pathlib.Path(path).unlink(missing_ok=True)  # never report an earlier sweep's result
+    argv = [sys.executable, "-m", f"bench.measure.{tool}", *map(str, args), "--json", path]
+    code, timed_out = run_processes([(visible(gpus), argv)], [log], MEASURE_TIMEOUT_S)
+    if timed_out or code != 0:
+        why = f"killed after {MEASURE_TIMEOUT_S} s" if timed_out else f"exit code {code}"
+        return {"error": f"{why}: {log_tail([log], lines=1)} (log {os.path.relpath(log, out_dir)})"}
+    return read_json(path) or {"error": f"no result in {path}"}
+
+
+def measure_loader(settings, out_dir):
+    """The input pipeline alone, with the sweep's data, first per-device batch and first device."""
+    args = ["--batch-size", settings.per_device_batches[0], "--passes", 3] + ["--cpu"] * settings.cpu
+    args += ["--synthetic"] if settings.synthetic else ["--data-dir", settings.data_dir]
+    return run_tool("loader_speed", args, out_dir, "loader_speed", settings.gpus[:1])
+
+
+def measure_allreduce(settings, out_dir):
+    """{n: all-reduce of the model's gradient} for every n >= 2, with the sweep's backend and devices."""
+    results = {}
+    for n in [n for n in device_counts(settings.max_n) if n >= 2]:
+        args = ["--nprocs", n, "--min-bytes", 4096, "--max-bytes", 4096, "--warmup", 3, "--iters", 10,
+                "--no-env"] + ["--cpu"] * settings.cpu  # a few seconds each
+        results[n] = run_tool("allreduce", args, out_dir, f"allreduce-n{n}", settings.gpus[:n])
+        time_us = (results[n].get("gradient_row") or {}).get("time_us", math.nan)
+        print(f"all-reduce of the gradient at n={n}: {time_us / 1e3:.2f} ms {results[n].get('error', '')}", flush=True)
+    return results

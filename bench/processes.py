@@ -1,0 +1,49 @@
+"""Start one command's processes at once, each in a process group of its own; stop all they spawned at any end."""
+import contextlib
+import os
+import pathlib
+import shlex
+import signal
+import subprocess
+import time
+
+from bench.scripts import REPO
+
+KILL_GRACE_S = 5  # SIGTERM first so that process groups can be destroyed cleanly, then SIGKILL
+PEER_GRACE_S = 15  # once one node of 05 has failed, the other would only wait for its rendezvous timeout
+
+
+def stop(procs):
+    """SIGTERM, then SIGKILL, to whole process groups: a torchrun or spawn parent leaves its workers otherwise."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # the leader may be gone, not its children
+                os.killpg(p.pid, sig)
+        deadline = time.monotonic() + KILL_GRACE_S
+        while sig == signal.SIGTERM and any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def run_processes(cmds, log_paths, timeout):
+    """Run [(environment, argv)] at once, each into its log; (exit code, timed out). Ctrl-C stops them."""
+    procs = []
+    try:
+        for (env, argv), log_path in zip(cmds, log_paths):
+            pathlib.Path(log_path).write_text(f"$ {shlex.join(argv)}\n")
+            with open(log_path, "a") as log:
+                procs.append(subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                                              stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                              start_new_session=True))
+        deadline, give_up, timed_out = time.monotonic() + timeout, float("inf"), False
+        while any(p.poll() is None for p in procs) and not timed_out and time.monotonic() < give_up:
+            if give_up == float("inf") and any(p.poll() not in (None, 0) for p in procs):
+                give_up = time.monotonic() + PEER_GRACE_S
+            time.sleep(0.1)
+            timed_out = time.monotonic() > deadline
+    finally:
+        stop(procs)  # also after a clean exit: children a script left behind must not hold ports or cores
+    return next((p.poll() for p in procs if p.poll() != 0), 0), timed_out
+
+
+def log_tail(paths, lines=15):
+    return "\n---\n".join("\n".join(pathlib.Path(p).read_text(errors="replace").splitlines()[-lines:]) for p in paths)

@@ -1,0 +1,101 @@
+"""runs.csv, rewritten after every run, read back for --resume: with csv, as pandas takes seconds to import."""
+import csv
+import dataclasses
+import itertools
+import os
+import pathlib
+import shutil
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+
+from bench.commands import as_typed, commands
+from bench.outputs import read_json, write_atomically
+from bench.processes import log_tail, run_processes
+
+# From the metrics record; not its per_device_batch (= global_batch / world_size): the run's own is the plan's.
+RECORD_COLUMNS = ["world_size", "nodes", "device_type", "backend", "threads", "global_batch", "lr", "epochs",
+                  "steps", "train_samples", "samples_per_s", "test_accuracy", "test_loss", "peak_memory_bytes",
+                  "synthetic", "torch_version"]
+COLUMNS = (["run_id", "variant", "mode", "n", "per_device_batch", "repeat", "status", "exit_code", "error",
+            "loader_batch"] + RECORD_COLUMNS + ["time_to_target_s", "target_accuracy", "wall_s", "started_at",
+                                                "command", "log_path", "metrics_path", "log_tail"])
+
+
+def time_to_target(record, target):
+    """Training seconds (evaluation left out) until an epoch's test accuracy reaches the target, else None."""
+    epochs = record.get("epochs_detail", [])
+    elapsed = itertools.accumulate(epoch["train_time_s"] for epoch in epochs)
+    return next((t for t, epoch in zip(elapsed, epochs) if epoch["test_accuracy"] >= target), None)
+
+
+def status(code, timed_out, record, settings):
+    """(status, error): ok only when the run exited 0, wrote its record, and trained where it was asked to."""
+    if timed_out:
+        return "timeout", f"killed after the {settings.timeout:g} s timeout"
+    if code != 0:
+        return "failed", f"exit code {code}"
+    if record is None:
+        return "failed", "exited 0 but wrote no readable metrics record"
+    if not settings.cpu and record.get("device_type") != "cuda":  # a GPU sweep's row must be a GPU's result
+        return "failed", f"trained on {record.get('device_type')}, not on a GPU: can {sys.executable} use CUDA?"
+    return "ok", ""
+
+
+def run_one(run, settings, out_dir):
+    """Run one benchmark run and return its runs.csv row (never raises for a failed run)."""
+    metrics = os.path.join(out_dir, "metrics", f"{run.run_id}.json")
+    snapshots = os.path.join(out_dir, f"snapshot-{run.run_id}")  # 06's, deleted after the run
+    pathlib.Path(metrics).unlink(missing_ok=True)  # a redone run must never report or resume an earlier attempt
+    shutil.rmtree(snapshots, ignore_errors=True)
+    os.makedirs(snapshots)
+    cmds = commands(run, settings, metrics, os.path.join(snapshots, "snapshot.pt"))
+    logs = [os.path.join(out_dir, "logs", f"{run.run_id}{f'.node{i}' if i else ''}.log") for i in range(len(cmds))]
+    started, t0 = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.monotonic()
+    code, timed_out = run_processes(cmds, logs, settings.timeout)
+    wall = round(time.monotonic() - t0, 2)
+    shutil.rmtree(snapshots, ignore_errors=True)
+    record = read_json(metrics)
+    state, error = status(code, timed_out, record, settings)
+    argv = cmds[0][1]
+    reached = time_to_target(record, settings.target_acc) if record and not record.get("synthetic") else None
+    return dict(dataclasses.asdict(run), run_id=run.run_id, status=state, exit_code=code, error=error, wall_s=wall,
+                started_at=started, target_accuracy=settings.target_acc, command=as_typed(cmds, settings.cpu),
+                loader_batch=argv[argv.index("--batch-size") + 1], log_path=os.path.relpath(logs[0], out_dir),
+                metrics_path=os.path.relpath(metrics, out_dir), log_tail=log_tail(logs) if state != "ok" else None,
+                time_to_target_s=reached, **{k: (record or {}).get(k) for k in RECORD_COLUMNS})
+
+
+def run_plan(runs, done, settings, out_dir):
+    """Run what is not done (done: earlier ok rows by run id, kept); returns every row, in plan order."""
+    todo, fresh, t0 = [r for r in runs if r.run_id not in done], {}, time.monotonic()
+
+    def rows():  # in plan order, then the earlier ones outside the plan (a resumed sweep with fewer modes)
+        ids = [r.run_id for r in runs] + [i for i in done if i not in {r.run_id for r in runs}]
+        return [fresh.get(i) or done[i] for i in ids if i in fresh or i in done]
+
+    for i, run in enumerate(todo, 1):
+        tag = f"[{i}/{len(todo)}] {run.mode} n={run.n} ({'processes' if settings.cpu else 'GPUs'}) {run.run_id}"
+        elapsed = time.monotonic() - t0
+        left = f", about {timedelta(seconds=round(elapsed / (i - 1) * (len(todo) - i + 1)))} left" if i > 1 else ""
+        print(f"{tag}: start, elapsed {timedelta(seconds=round(elapsed))}{left}", flush=True)
+        row = fresh[run.run_id] = run_one(run, settings, out_dir)
+        result = (f"{row['samples_per_s'] or 0:,.0f} samples/s, accuracy {row['test_accuracy'] or 0:.2%}"
+                  if row["status"] == "ok" else f"{row['error']}, log {os.path.join(out_dir, row['log_path'])}")
+        print(f"{tag}: {row['status']} in {row['wall_s']:.1f} s, {result}", flush=True)
+        write_runs(out_dir, rows())
+    return rows()
+
+
+def write_runs(out_dir, rows):
+    def write(tmp):
+        with open(tmp, "w", newline="") as f:
+            csv.writer(f).writerows([COLUMNS] + [[row.get(c) for c in COLUMNS] for row in rows])
+    write_atomically(os.path.join(out_dir, "runs.csv"), write)
+
+
+def read_runs(out_dir):
+    """runs.csv's rows as written (strings), to be written again unchanged."""
+    with open(os.path.join(out_dir, "runs.csv"), newline="") as f:
+        return list(csv.DictReader(f))
+
