@@ -1,17 +1,15 @@
 """MNIST with nn.DataParallel: one process splits each batch over its GPUs (on a CPU: one replica).
 
-    python 02_data_parallel.py                               # all visible GPUs, 64 images in all
+    python 02_data_parallel.py                               # all the GPUs, 64 images in all
     python 02_data_parallel.py --gpus 0,1 --batch-size 128   # 64 on each GPU: as DDP with 64
-    CUDA_VISIBLE_DEVICES=2,3 python 02_data_parallel.py      # choose the GPUs
 """
 import argparse
-import fcntl
 import json
-import math
 import os
-import resource
 import sys
+import tempfile
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -19,13 +17,12 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 from torchvision import datasets
 
-MODE = "dp"
-WARMUP_STEPS = 5  # left out of samples_per_s: first steps pay for allocation and kernel selection
-POSITIVE = ["epochs", "batch_size", "test_batch_size", "lr"]  # values > 0
-NOT_NEGATIVE = ["max_steps", "log_interval", "threads"]  # values >= 0
+MODE = "dp"  # DP
+
 
 class Net(nn.Module):
     """The classic PyTorch MNIST CNN (about 1.2 M parameters)."""
+
     def __init__(self, dropout=True):
         super().__init__()
         self.conv1 = nn.Conv2d(1, 32, 3, 1)
@@ -48,59 +45,68 @@ class Net(nn.Module):
         x = self.dropout2(x)
         return self.fc2(x)
 
-def fail(message):
-    """Bad input ends the run with one line on stderr, never a traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+
+def in_range(low, high=float("inf"), cast=int):
+    """An argparse type: a number from low up to, not including, high (NaN is in no range)."""
+    def number(text):
+        if not low <= cast(text) < high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}), got {text}")
+        return cast(text)
+    return number
+
+
+def writable(path):
+    """An argparse type: a file we can write, tried now by writing beside it, before any work."""
+    try:
+        tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))).close()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {path}: {e.strerror}")
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"cannot write {path}: it is a folder")
+    return path
+
 
 def parse_args(argv=None):
-    """The flags, every value checked before any work starts: a bad one must not cost a run."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    """The flags, each checked as it is read: a bad value must not cost a run."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
+                                exit_on_error=False)
     p.add_argument("--data-dir", default="data", help="torchvision's MNIST (downloaded if missing)")
     p.add_argument("--synthetic", action="store_true", help="random MNIST-shaped data (throughput)")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=64, help="batch of this process")
-    p.add_argument("--test-batch-size", type=int, default=1000)
-    p.add_argument("--lr", type=float, default=1.0, help="Adadelta's rate, x0.7 each epoch")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--max-steps", type=int, default=0, help="steps per epoch at most (0: all)")
-    p.add_argument("--log-interval", type=int, default=100, help="steps between lines (0: none)")
+    p.add_argument("--epochs", type=in_range(1), default=1)
+    p.add_argument("--batch-size", type=in_range(1), default=64, help="batch of this process")
+    p.add_argument("--test-batch-size", type=in_range(1), default=1000)
+    p.add_argument("--lr", type=in_range(0.0, cast=float), default=1.0, help="x0.7 each epoch")
+    p.add_argument("--seed", type=in_range(0, 2**32), default=1)
+    p.add_argument("--max-steps", type=in_range(0), default=0, help="steps per epoch (0: all)")
+    p.add_argument("--log-interval", type=in_range(0), default=100, help="steps between lines")
     p.add_argument("--cpu", action="store_true", help="ignore GPUs")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: cores / processes)")
+    p.add_argument("--threads", type=in_range(0), default=0, help="CPU threads (0: PyTorch's)")
     p.add_argument("--no-dropout", action="store_true", help="for exact comparisons of modes")
-    p.add_argument("--save-model", metavar="PATH", help="save the trained weights here")
-    p.add_argument("--metrics-json", metavar="PATH", help="write the run's metrics record here")
-    p.add_argument("--gpus", help="comma-separated GPU ids (default: all visible)")
-    args = p.parse_args(argv)
-    for name in POSITIVE + NOT_NEGATIVE:
-        value = getattr(args, name)
-        if not (0 < value < math.inf if name in POSITIVE else 0 <= value < math.inf):  # NaN too
-            kind = "positive" if name in POSITIVE else "zero or more"
-            fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
-    if not 0 <= args.seed < 2**32:
-        fail(f"--seed must be in 0..2**32-1, got {args.seed}")
-    for path in filter(None, [args.metrics_json, args.save_model]):  # each written into its folder
-        if os.path.isdir(path) or not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
-            fail(f"cannot write {path}: its folder does not exist or is not writable")
-    return args
+    p.add_argument("--save-model", type=writable, metavar="PATH", help="save the weights here")
+    p.add_argument("--metrics-json", type=writable, metavar="PATH", help="write the record here")
+    p.add_argument("--gpus", help="comma-separated GPU ids (default: all)")  # DP: checked in setup
+    try:
+        return p.parse_args(argv)
+    except argparse.ArgumentError as e:
+        sys.exit(f"error: {e}")  # one line on stderr, exit status 1, as every bad input here
 
-def gpu_ids(args, cuda):
-    visible = [str(i) for i in range(torch.cuda.device_count() if cuda else 0)]
-    ids = args.gpus.split(",") if args.gpus else visible
-    if not set(ids) <= set(visible) or len(set(ids)) < len(ids):
-        fail(f"--gpus {args.gpus}: give distinct ids of the {len(visible)} visible GPU(s)")
-    return [int(i) for i in ids]
 
 def setup(args):
-    """The one place that decides the device (in the DDP scripts: rank and world size too)."""
-    cuda = torch.cuda.is_available() and not args.cpu
-    devices = [torch.device("cuda", i) for i in gpu_ids(args, cuda)] or [torch.device("cpu")]
-    if not cuda:
-        print("DataParallel has nothing to split on the CPU: one replica", file=sys.stderr)
-    threads = args.threads or len(os.sched_getaffinity(0))  # one process: all its cores
-    torch.set_num_threads(threads)
-    return dict(rank=0, world_size=len(devices), nodes=1, backend=None, master=True,
-                threads=threads, device=devices[0], devices=devices)
+    """Where this process trains (an accelerator if there is one), and that it is the main one."""
+    accelerator = torch.accelerator.current_accelerator(check_available=True)  # CUDA, MPS, XPU...
+    device = torch.device("cpu") if args.cpu or accelerator is None else accelerator
+    gpus = [str(i) for i in range(torch.cuda.device_count() if device.type == "cuda" else 0)]  # DP
+    ids = args.gpus.split(",") if args.gpus else gpus
+    if not set(ids) <= set(gpus) or len(set(ids)) < len(ids):
+        sys.exit(f"error: --gpus {args.gpus}: give distinct ids of the {len(gpus)} CUDA GPU(s)")
+    devices = [torch.device("cuda", int(i)) for i in ids] or [device]  # DP: one replica on each
+    if device.type != "cuda":  # DP: it splits batches over CUDA GPUs only
+        print(f"DataParallel needs CUDA GPUs: one replica on the {device.type}", file=sys.stderr)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return SimpleNamespace(device=devices[0], devices=devices, rank=0, world_size=len(devices),
+                           nodes=1, backend=None, is_main=True)  # DP: devices[0] holds the batch
+
 
 def load_mnist(args, train):
     """(images, labels) of one split, normalised once: the input pipeline is never what we time."""
@@ -109,14 +115,12 @@ def load_mnist(args, train):
         n = 60000 if train else 10000
         return torch.randn(n, 1, 28, 28, generator=rng), torch.randint(0, 10, (n,), generator=rng)
     try:
-        os.makedirs(args.data_dir, exist_ok=True)
-        with open(os.path.join(args.data_dir, "download.lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # nodes that share this folder download it once
-            mnist = datasets.MNIST(args.data_dir, train=train, download=True)
+        mnist = datasets.MNIST(args.data_dir, train=train, download=True)
     except Exception as e:
-        fail(f"MNIST could not be loaded from {args.data_dir}/MNIST/raw ({type(e).__name__}: "
-             f"{str(e)[:150]!r}); delete a corrupt file to download it again, or use --synthetic")
+        sys.exit(f"error: MNIST could not be loaded from {args.data_dir} ({type(e).__name__}: "
+                 f"{str(e)[:150]!r}); delete a corrupt file to download again, or use --synthetic")
     return (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, mnist.targets  # MNIST's mean, std
+
 
 def batches(data, indices, batch_size):
     """Batches sliced from tensors on the device: no step waits for the host or a DataLoader."""
@@ -125,118 +129,145 @@ def batches(data, indices, batch_size):
     for batch in index.split(batch_size):
         yield images[batch], labels[batch]
 
-def clock(device):
-    """Seconds, read once the device has done its work: GPU work is queued, not yet done."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
-def peak_memory_bytes(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS (KiB on Linux)
-
-def train_epoch(model, data, sampler, optimizer, args, ctx, epoch):
-    """One epoch of this process's share of the data."""
+def train_epoch(model, train_batches, optimizer, args, world, epoch):
+    """One epoch of training; returns the mean training loss."""
     model.train()
-    device = ctx["device"]
-    steps = len(sampler) // args.batch_size  # full batches only: one shape for every step
-    steps = min(steps, args.max_steps or steps)
-    warmup = min(WARMUP_STEPS, steps - 1) if epoch == 1 else 0  # at least one step is timed
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for each_device in ctx["devices"]:  # on GPUs: the peak of training, not of loading the data
-        if each_device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(each_device)
-    start = steady_start = clock(device)
-    order = list(sampler)[:steps * args.batch_size]
-    for step, (images, labels) in enumerate(batches(data, order, args.batch_size)):
-        if step == warmup:
-            steady_start = clock(device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=world.device)
+    for step, (images, labels) in enumerate(train_batches):
         optimizer.zero_grad(set_to_none=True)
         output = model(images)
         loss = F.cross_entropy(output, labels)
         loss.backward()
         optimizer.step()
-        loss_sum += loss.detach() * len(labels)  # summed on the device: no waiting for the GPU
-        if ctx["master"] and args.log_interval and step % args.log_interval == 0:
-            print(f"epoch {epoch} step {step}/{steps} loss {loss.item():.4f}", flush=True)
-    end = clock(device)
-    loss_sum = loss_sum.item()
-    samples = steps * args.batch_size
-    steady_samples = (steps - warmup) * args.batch_size
-    time_s = end - start
-    steady_time_s = end - steady_start
-    memory = [peak_memory_bytes(each_device) for each_device in ctx["devices"]]
-    return dict(steps=steps, train_samples=samples, steady_samples=steady_samples,
-                train_loss=loss_sum / samples, train_time_s=time_s, steady_time_s=steady_time_s,
-                peak_memory_bytes=max(memory), peak_memory_per_device=memory)
+        loss_sum += loss.detach()  # summed on the device: no waiting for the GPU
+        if world.is_main and args.log_interval and step % args.log_interval == 0:
+            print(f"epoch {epoch} step {step} loss {loss.item():.4f}", flush=True)
+    return loss_sum.item() / (step + 1)  # every batch is full: the mean of their means
+
 
 @torch.no_grad()
-def evaluate(net, data, indices, args, ctx):
-    """Loss and accuracy on the test set: this process scores its share (in DDP: totals of all)."""
+def evaluate(net, data, indices, args, world):
+    """Loss and accuracy on the test images at these indices."""
     net.eval()
-    loss_sum, correct, count = 0.0, 0, len(indices)
+    loss_sum, correct = 0.0, 0
     for images, labels in batches(data, indices, args.test_batch_size):
         output = net(images)
         loss_sum += F.cross_entropy(output, labels, reduction="sum").item()
         correct += (output.argmax(dim=1) == labels).sum().item()
-    return dict(test_loss=loss_sum / count, test_accuracy=correct / count, test_samples=int(count))
+    count = len(indices)
+    return dict(test_loss=loss_sum / count, test_accuracy=correct / count, test_samples=count)
 
-def metrics_record(args, ctx, epochs):
-    """The run's record, for the harness in bench/ (keys are added, never renamed)."""
-    steady_samples = sum(e["steady_samples"] for e in epochs)
-    steady_time_s = sum(e["steady_time_s"] for e in epochs)
-    names = [torch.cuda.get_device_name(d) if d.type == "cuda" else "cpu" for d in ctx["devices"]]
-    return dict(
-        schema=1, script=os.path.basename(__file__), mode=MODE, device_type=ctx["device"].type,
-        device_names=names, world_size=ctx["world_size"], nodes=ctx["nodes"], lr=args.lr,
-        backend=ctx["backend"], threads=ctx["threads"], epochs=len(epochs), argv=sys.argv,
-        per_device_batch=args.batch_size / ctx["world_size"], global_batch=args.batch_size,
-        train_samples=sum(e["train_samples"] for e in epochs), steady_samples=steady_samples,
-        steps=sum(e["steps"] for e in epochs), samples_per_s=steady_samples / steady_time_s,
-        steady_time_s=steady_time_s, epochs_detail=epochs, torch_version=torch.__version__,
-        test_accuracy=epochs[-1]["test_accuracy"], test_loss=epochs[-1]["test_loss"],
-        peak_memory_bytes=max(e["peak_memory_bytes"] for e in epochs), synthetic=args.synthetic)
 
-def run(args, ctx):
-    device = ctx["device"]
+def run(args, world):
     torch.manual_seed(args.seed)
-    train_data = [t.to(device) for t in load_mnist(args, train=True)]  # 188 MB: fits any GPU
-    test_data = [t.to(device) for t in load_mnist(args, train=False)]
+    train_data = [t.to(world.device) for t in load_mnist(args, train=True)]  # 188 MB: fits any GPU
+    test_data = [t.to(world.device) for t in load_mnist(args, train=False)]
     train_size, test_size = len(train_data[1]), len(test_data[1])
-    # Each replica trains on its share of every epoch's shuffle (01 and 02 have one: all of it).
     sampler = DistributedSampler(range(train_size), num_replicas=1, rank=0, seed=args.seed)
     test_indices = range(test_size)
-    if len(sampler) < args.batch_size:
-        fail(f"--batch-size {args.batch_size} is more than the {len(sampler)} training images")
-    net = Net(dropout=not args.no_dropout).to(device)
-    # Each step scatters the batch from the first GPU, copies the model to every GPU, runs the
+    steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))  # full batches
+    if steps == 0:
+        sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(sampler)} images")
+    net = Net(dropout=not args.no_dropout).to(world.device)
+    # DP: each step scatters the batch from the first GPU, copies the model to every GPU, runs the
     # copies in threads and gathers their outputs back on the first.
-    model = nn.DataParallel(net, ctx["devices"]) if device.type == "cuda" else net
+    model = nn.DataParallel(net, world.devices) if world.device.type == "cuda" else net
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
-
-    epochs = []
+    epochs = []  # measure: each epoch's timing and results
     for epoch in range(1, args.epochs + 1):
-        sampler.set_epoch(epoch)
-        train = train_epoch(model, train_data, sampler, optimizer, args, ctx, epoch)
-        test = evaluate(net, test_data, test_indices, args, ctx)
-        epochs.append(dict(epoch=epoch, lr=scheduler.get_last_lr()[0], **train, **test))
+        sampler.set_epoch(epoch)  # a new shuffle of all the training images every epoch
+        order = list(sampler)[:steps * args.batch_size]
+        train_batches = batches(train_data, order, args.batch_size)
+        train_batches = timed(train_batches, world, epochs)  # measure
+        train_loss = train_epoch(model, train_batches, optimizer, args, world, epoch)
+        test = evaluate(net, test_data, test_indices, args, world)
+        epochs[-1].update(epoch=epoch, train_loss=train_loss, **test)  # measure
         scheduler.step()
-        if ctx["master"]:
-            print(f"epoch {epoch}: train loss {train['train_loss']:.4f}, accuracy "
+        if world.is_main:
+            print(f"epoch {epoch}: train loss {train_loss:.4f}, accuracy "
                   f"{test['test_accuracy']:.2%} of {test['test_samples']} test images", flush=True)
-    record = metrics_record(args, ctx, epochs)
-    if ctx["master"]:
-        note = " (synthetic data: the accuracy means nothing)" if args.synthetic else ""
-        print(f"{MODE}: {record['samples_per_s']:.0f} samples/s, world size {ctx['world_size']}, "
-              f"{device}{note}")
-        if args.save_model:
-            torch.save(net.state_dict(), args.save_model)
-        if args.metrics_json:  # whole or not at all: renamed once written
-            with open(f"{args.metrics_json}.tmp", "w") as f:
-                json.dump(record, f, indent=2)
-            os.replace(f"{args.metrics_json}.tmp", args.metrics_json)
+    if world.is_main and args.save_model:
+        torch.save(net.state_dict(), args.save_model)
+    write_record(args.metrics_json, args, world, epochs)  # measure
+
+
+# ---- Measurement, for the benchmark in bench/ only. A copier may delete from here down to -----
+# `if __name__`, and the lines above marked "# measure": the script still trains.
+WARMUP_STEPS = 5  # left out of samples_per_s: the first steps pay for allocation and kernel choice
+
+
+def clock(device):
+    """Seconds, read once the device has done its work: GPU work is queued, not yet done."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+    return time.perf_counter()
+
+
+def timed(train_batches, world, epochs):
+    """The same batches, timing the steps between them; appends the epoch's timing to epochs."""
+    device = world.device
+    warmup = 0 if epochs else WARMUP_STEPS  # the first epoch's first steps
+    if warmup and device.type != "cpu":
+        for each in world.devices:  # DP: every GPU's peak of training, not loading
+            torch.accelerator.reset_peak_memory_stats(each)
+    starts = []  # of the warm-up steps and of the first timed one: at least one step is timed
+    for step, (images, labels) in enumerate(train_batches):
+        if step <= warmup:
+            starts.append(clock(device))  # warm-up steps wait for the device; later ones never
+        yield images, labels
+    end = clock(device)
+    peaks = [None if device.type == "cpu" else torch.accelerator.max_memory_allocated(each)
+             for each in world.devices]  # DP: one per GPU
+    steps, batch = step + 1, len(labels)
+    seconds = [end - starts[0], end - starts[-1]]  # of all the steps, and of those timed
+    epochs.append(dict(steps=steps, train_samples=steps * batch,
+                       steady_samples=(steps - len(starts) + 1) * batch, train_time_s=seconds[0],
+                       steady_time_s=seconds[1], peak_memory_bytes=max(peaks),  # DP: the highest
+                       peak_memory_per_device=peaks))  # on the CPU: max([None]), None
+
+
+def write_record(path, args, world, epochs):
+    """Prints the throughput and writes the run's record (keys are added, never renamed)."""
+    if not world.is_main:
+        return
+    device = world.device
+    totals = {key: sum(e[key] for e in epochs)
+              for key in ["steps", "train_samples", "steady_samples", "steady_time_s"]}
+    record = dict(
+        schema=1,
+        script=os.path.basename(__file__),
+        mode=MODE,
+        device_type=device.type,
+        device_names=[torch.cuda.get_device_name(d) if d.type == "cuda" else d.type
+                      for d in world.devices],  # DP: each replica's
+        world_size=world.world_size,
+        nodes=world.nodes,
+        backend=world.backend,
+        threads=torch.get_num_threads(),
+        per_device_batch=args.batch_size / world.world_size,  # DP: the batch is split
+        global_batch=args.batch_size,
+        lr=args.lr,
+        epochs=len(epochs),
+        **totals,
+        samples_per_s=totals["steady_samples"] / totals["steady_time_s"],
+        epochs_detail=epochs,
+        test_accuracy=epochs[-1]["test_accuracy"],
+        test_loss=epochs[-1]["test_loss"],
+        peak_memory_bytes=epochs[-1]["peak_memory_bytes"],  # the peak since training began
+        synthetic=args.synthetic,
+        torch_version=torch.__version__,
+        argv=sys.argv,
+    )
+    note = " (synthetic data: the accuracy means nothing)" if args.synthetic else ""
+    print(f"{MODE}: {record['samples_per_s']:.0f} samples/s, world size {world.world_size}, "
+          f"{device}{note}")
+    if path:  # whole or not at all: renamed once written
+        with open(f"{path}.tmp", "w") as f:
+            json.dump(record, f, indent=2)
+        os.replace(f"{path}.tmp", path)
+
 
 if __name__ == "__main__":
     args = parse_args()
