@@ -46,7 +46,7 @@ def metrics_writes(script):
             if isinstance(node, ast.If) and ast.unparse(node.test) == "path"]
 
 
-def test_the_scripts_share_model_data_pipeline_and_evaluation_word_for_word():
+def test_the_scripts_share_model_data_pipeline_and_checks_word_for_word():
     reference, write = definitions(SCRIPTS[0]), metrics_writes(SCRIPTS[0])
     assert len(write) == 1
     for script in [*SCRIPTS[1:], "07_lightning.py"]:

@@ -1,7 +1,6 @@
 """The trainers, run as a user runs them: they learn, agree with each other, and count every test image once."""
 import ast
 import json
-import os
 import re
 import runpy
 import sys
