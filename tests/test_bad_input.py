@@ -38,19 +38,6 @@ FLAGS = {
     "gpus per node 0": ("05_multinode_mnist.py", ["-g", "0"], "--gpus"),
     "node rank outside": ("05_multinode_mnist.py", ["-n", "2", "--nr", "2"], "outside 0..1"),
     "port not a port": ("04_ddp_spawn.py", ["--master-port", "70000"], "argument --master-port"),
-    "metrics folder missing": ("01_single_gpu.py", ["--metrics-json", "{tmp}/missing/m.json"], "cannot write"),
-    "metrics path is a folder": ("04_ddp_spawn.py", ["--metrics-json", "{tmp}"], "cannot write"),
-    # The write is tried, not guessed from the folder's mode bits: a file where a folder should be, a folder
-    # no one may write in (root too), each refused before any work.
-    "metrics folder is a file": ("03_ddp_launch.py", ["--metrics-json", "{tmp}/metrics.json/m.json"],
-                                 "cannot write"),
-    "metrics folder not writable": ("02_data_parallel.py", ["--metrics-json", "/proc/m.json"], "cannot write"),
-    "model folder missing": ("02_data_parallel.py", ["--save-model", "{tmp}/missing/m.pt"], "cannot write"),
-    "model path is a folder": ("05_multinode_mnist.py", ["--save-model", "{tmp}"], "cannot write"),
-    "model folder is a file": ("01_single_gpu.py", ["--save-model", "{tmp}/metrics.json/m.pt"], "cannot write"),
-    "snapshot folder missing": ("06_fault_tolerant.py", ["--snapshot", "{tmp}/missing/s.pt"], "cannot write"),
-    "snapshot folder is a file": ("06_fault_tolerant.py", ["--snapshot", "{tmp}/metrics.json/s.pt"],
-                                  "cannot write"),
     "negative snapshot interval": ("06_fault_tolerant.py", ["--snapshot-every", "-1"], "--snapshot-every"),
     "timeout 0": ("06_fault_tolerant.py", ["--timeout", "0"], "--timeout"),
     "timeout not a number": ("06_fault_tolerant.py", ["--timeout", "nan"], "--timeout"),
@@ -146,11 +133,20 @@ def test_a_peer_that_never_arrives_fails_within_the_timeout(quick_mnist_dir):
     assert_fails_clearly(result, "could not join the others")
 
 
-@pytest.mark.parametrize("flag", ["--metrics-json", "--save-model"])
-def test_every_script_tries_its_output_paths_before_any_work(flag, tmp_path, capsys):
-    """The class, not the case: each numbered script (07 too) refuses an output path under a file."""
+# Output paths that cannot be written, each tried (not guessed from the folder's mode bits): {blocker} is a file.
+BAD_OUTPUTS = {"folder missing": "{tmp}/missing/out", "a folder": "{tmp}", "folder is a file": "{blocker}/out",
+               "folder no one may write in, root too": "/proc/out"}
+OUTPUT_FLAGS = ["--metrics-json", "--save-model"]
+
+
+@pytest.mark.parametrize("bad", BAD_OUTPUTS, ids=list(BAD_OUTPUTS))
+def test_every_script_tries_its_output_paths_before_any_work(bad, tmp_path, capsys):
+    """The class, not the case: every output flag of every numbered script (07 too, 06's --snapshot) refuses a
+    path it could not write, at parse time, and leaves nothing behind."""
     blocker = tmp_path / "a-file"
-    blocker.write_text("")
+    blocker.write_text("kept")
+    path = BAD_OUTPUTS[bad].format(tmp=tmp_path, blocker=blocker)
     for script in sorted(p.name for p in ROOT.glob("0[0-9]_*.py")):
-        assert_fails_clearly(parsed_in_process(script, [flag, str(blocker / "out")], capsys), "cannot write")
-    assert sorted(tmp_path.iterdir()) == [blocker]  # the tries left nothing behind
+        for flag in OUTPUT_FLAGS + (["--snapshot"] if script.startswith("06") else []):
+            assert_fails_clearly(parsed_in_process(script, [flag, path], capsys), "cannot write")
+    assert sorted(tmp_path.iterdir()) == [blocker] and blocker.read_text() == "kept"

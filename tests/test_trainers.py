@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from conftest import (NO_NETWORK, QUICK_TEST_IMAGES, ROOT, SCRIPTS, TORCHRUN, evaluate_on_one_process,
+from conftest import (MODES, NO_NETWORK, QUICK_TEST_IMAGES, ROOT, SCRIPTS, TORCHRUN, evaluate_on_one_process,
                       launcher_env, load_script, run, run_two_nodes, script_command)
 
 # Every key of the metrics record in the design contract (shared/DESIGN.md; docs/benchmark.md lists them too).
@@ -32,14 +32,13 @@ def run_mode(script, data_dir, out, *extra, timeout=180):
     """Train with one script under the batch-size rules; returns (stdout of the printing rank(s), record, weights)."""
     out.mkdir(parents=True, exist_ok=True)
     args = train_args(data_dir, out, *extra)
-    if script.startswith("01") or script.startswith("02"):
-        result = run(script_command(script, *args, "--batch-size", 2 * B), timeout=timeout)
-    elif script.startswith(("03", "06")):
-        result = run(script_command(script, *args, "--batch-size", B, nprocs=2), timeout=timeout)
-    elif script.startswith("04"):
-        result = run(script_command(script, *args, "--batch-size", B, "--nprocs", 2), timeout=timeout)
-    else:  # two nodes of two processes: the global rank must be node rank x 2 + local rank
+    mode = next(mode for mode in MODES.values() if mode.script == script)
+    if mode.launch == "multinode":  # two nodes of two processes: the global rank is node rank x 2 + local rank
         result = run_two_nodes(*args, "--batch-size", B // 2, gpus=2, timeout=timeout)
+    elif mode.launch in ("python", "dp"):  # one process, one device: the whole global batch
+        result = run(script_command(script, *args, "--batch-size", 2 * B), timeout=timeout)
+    else:
+        result = run(script_command(script, *args, "--batch-size", B, nprocs=2), timeout=timeout)
     record = json.loads((out / "metrics.json").read_text())
     return result.stdout, record, torch.load(out / "model.pt")
 
