@@ -4,6 +4,7 @@ import contextlib
 import json
 import os
 import pathlib
+import tempfile
 
 
 def write_atomically(path, write):
@@ -29,8 +30,11 @@ def read_json(path, default=None):
 
 
 def json_path(path):
-    """argparse type of the tools' --json: refuse an unwritable path before measuring, not after minutes of it."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) or not os.access(folder, os.W_OK):
-        raise argparse.ArgumentTypeError(f"cannot write {path}: {folder} does not exist or is not writable")
+    """argparse type of the tools' --json, tried by writing beside it before measuring, not after minutes of it."""
+    try:
+        tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))).close()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {path}: {e.strerror}")
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"cannot write {path}: it is a folder")
     return path

@@ -26,6 +26,8 @@ from bench.fake_mnist import missing_mnist_files  # noqa: E402
 from bench.outputs import read_json, write_json  # noqa: E402
 from bench.scripts import MODES, REPO  # noqa: E402
 
+RESULTS = os.path.join(REPO, "results")  # each machine's sweeps: results/<label>, then <label>-2, -3...
+
 DEFAULTS = dict(gpu=dict(epochs=3, max_steps=0), cpu=dict(epochs=1, max_steps=150, processes=2))
 
 
@@ -94,7 +96,7 @@ def parse_args(argv):
     p.add_argument("--timeout", type=at_least(1.0, float), default=600, help="seconds before a run is killed (600)")
     p.add_argument("--variant", type=variant, action="append", default=[], metavar='NAME="FLAGS"',
                    help="repeat the sweep with these script flags (repeatable), e.g. lr2=\"--lr 2\"")
-    p.add_argument("--out", help="output folder (default results/<machine>)")
+    p.add_argument("--out", help="output folder (default results/<machine>, or -2, -3... if that holds a sweep)")
     again = p.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="keep the ok runs already in --out, do the rest")
     again.add_argument("--force", action="store_true", help="replace the results already in --out")
@@ -127,6 +129,17 @@ def check_out(path, resume, force):
         raise BadArgument(f"{path} holds a sweep: --resume continues it, --force replaces it, --out goes elsewhere")
 
 
+def default_out(label, resume):
+    """results/<label>, or <label>-2, -3...: the first that holds no sweep, so that a sweep never refuses to start or
+    overwrites one (the repository's own included); with --resume, the last that holds one."""
+    def folder(i):
+        return os.path.join(RESULTS, label if i == 1 else f"{label}-{i}")
+    i = 1
+    while os.path.exists(os.path.join(folder(i), "runs.csv")):
+        i += 1
+    return folder(max(1, i - 1) if resume else i)
+
+
 def earlier_runs(out_dir, settings, earlier_settings):
     """The ok rows of an earlier attempt at the same sweep (with these settings), by run id, for --resume."""
     if not os.path.exists(os.path.join(out_dir, "runs.csv")):
@@ -152,11 +165,11 @@ def download_mnist(data_dir, allowed):
                           "files there or use --synthetic for throughput only")
 
 
-def print_plan(runs, done, settings, left_out):
+def print_plan(runs, done, settings, left_out, out_dir):
     todo = [r for r in runs if r.run_id not in done]
     minutes = (sum(plan.estimate_s(r, settings) for r in todo) + 10 + 15 * (settings.max_n > 1)) / 60
     print(f"{len(runs)} runs planned, {len(runs) - len(todo)} already done (--resume), {len(todo)} to do; "
-          f"roughly {minutes:.0f} min (a guess before anything ran)", flush=True)
+          f"roughly {minutes:.0f} min (a guess before anything ran); results in {out_dir}", flush=True)
     for run in todo:
         print(f"  {run.run_id}: {as_typed(commands(run, settings, 'metrics.json', 'snapshot.pt'), settings.cpu)}")
     print("".join(f"  left out: {line}\n" for line in left_out), end="")
@@ -178,11 +191,11 @@ def main(argv=None):
         runs, left_out = plan.plan(settings, args.modes, [("base", [])] + args.variants, args.repeats)
         if not runs:
             raise BadArgument("nothing to run: " + "; ".join(left_out))
-        out_dir = os.path.abspath(args.out or os.path.join(REPO, "results", machine.machine_tag([n for _, n in gpus])))
-        check_out(out_dir, args.resume, args.force)
+        out_dir = os.path.abspath(args.out or default_out(machine.machine_tag([n for _, n in gpus]), args.resume))
+        check_out(out_dir, args.resume, args.force or args.dry_run)  # a dry run writes nothing: it never refuses
         earlier = read_json(os.path.join(out_dir, "env.json"), {}) if args.resume else {}
         done = earlier_runs(out_dir, settings, earlier.get("settings") or {}) if args.resume else {}
-        print_plan(runs, done, settings, left_out)
+        print_plan(runs, done, settings, left_out, out_dir)
         if args.dry_run:
             return 0
         if not settings.synthetic and missing_mnist_files(os.path.join(REPO, settings.data_dir)):

@@ -401,3 +401,21 @@ def has_marker(pid, marker):
             return f"BENCH_TEST_MARKER={marker}".encode() in f.read()
     except OSError:
         return False
+
+
+def test_a_fresh_clone_sweeps_beside_the_results_it_ships(tmp_path, monkeypatch, capsys):
+    """A clone whose results/ already holds a sweep with this machine's own label: the main job and its dry run
+    start (exit 0), in <label>-2, and leave the shipped sweep as it was; --resume goes back to the newest."""
+    label = run_all.machine.machine_tag([])
+    shipped = tmp_path / label
+    shipped.mkdir()
+    (shipped / "runs.csv").write_text("the repository's own sweep\n")
+    monkeypatch.setattr(run_all, "RESULTS", str(tmp_path))
+    assert run_all.main(["--cpu", "1", "--modes", "single", "--synthetic", "--dry-run"]) == 0
+    assert f"results in {tmp_path / (label + '-2')}" in capsys.readouterr().out
+    assert run_all.default_out(label, resume=True) == str(shipped)
+    (tmp_path / f"{label}-2").mkdir()
+    (tmp_path / f"{label}-2" / "runs.csv").write_text("a sweep of the user's\n")
+    assert run_all.default_out(label, resume=False) == str(tmp_path / f"{label}-3")
+    assert run_all.default_out(label, resume=True) == str(tmp_path / f"{label}-2")
+    assert (shipped / "runs.csv").read_text() == "the repository's own sweep\n"
