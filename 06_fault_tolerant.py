@@ -2,36 +2,31 @@
 
     torchrun --standalone --nproc_per_node 2 --max-restarts 3 06_fault_tolerant.py --snapshot s.pt
     torchrun --nnodes 2 --nproc_per_node 4 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \
-        --max-restarts 3 06_fault_tolerant.py --snapshot /shared/s.pt   # on each machine
-A killed process makes torchrun restart them all; they resume from the last snapshot, which rank 0
-writes and sends to every rank. After a restart rank 0 may be on another node: give a path that
-every node sees, as above. --timeout bounds every wait.
+        --max-restarts 3 06_fault_tolerant.py --snapshot /shared/s.pt  # each machine: one path
 """
 import argparse
-import fcntl
 import json
-import math
 import os
-import resource
 import sys
+import tempfile
 import time
-from datetime import timedelta
+from datetime import timedelta  # 06
+from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
+import torch.distributed as dist  # DDP
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.parallel import DistributedDataParallel as DDP  # DDP
 from torch.utils.data import DistributedSampler
 from torchvision import datasets
 
-MODE = "ddp_fault_tolerant"
-WARMUP_STEPS = 5  # left out of samples_per_s: first steps pay for allocation and kernel selection
-POSITIVE = ["epochs", "batch_size", "test_batch_size", "lr", "timeout"]  # values > 0
-NOT_NEGATIVE = ["max_steps", "log_interval", "threads", "snapshot_every"]  # values >= 0
+MODE = "ddp_fault_tolerant"  # 06
+
 
 class Net(nn.Module):
     """The classic PyTorch MNIST CNN (about 1.2 M parameters)."""
+
     def __init__(self, dropout=True):
         super().__init__()
         self.conv1 = nn.Conv2d(1, 32, 3, 1)
@@ -54,49 +49,65 @@ class Net(nn.Module):
         x = self.dropout2(x)
         return self.fc2(x)
 
-def fail(message):
-    """Bad input ends the run with one line on stderr, never a traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+
+def in_range(low, high=float("inf"), cast=int):
+    """An argparse type: a number from low up to, not including, high (NaN is in no range)."""
+    def number(text):
+        if not low <= cast(text) < high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}), got {text}")
+        return cast(text)
+    return number
+
+
+def writable(path):
+    """An argparse type: a file we can write, tried now by writing beside it, before any work."""
+    try:
+        tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))).close()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {path}: {e.strerror}")
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"cannot write {path}: it is a folder")
+    return path
+
 
 def parse_args(argv=None):
-    """The flags, every value checked before any work starts: a bad one must not cost a run."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    """The flags, each checked as it is read: a bad value must not cost a run."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
+                                exit_on_error=False)
     p.add_argument("--data-dir", default="data", help="torchvision's MNIST (downloaded if missing)")
     p.add_argument("--synthetic", action="store_true", help="random MNIST-shaped data (throughput)")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=64, help="batch of this process")
-    p.add_argument("--test-batch-size", type=int, default=1000)
-    p.add_argument("--lr", type=float, default=1.0, help="Adadelta's rate, x0.7 each epoch")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--max-steps", type=int, default=0, help="steps per epoch at most (0: all)")
-    p.add_argument("--log-interval", type=int, default=100, help="steps between lines (0: none)")
+    p.add_argument("--epochs", type=in_range(1), default=1)
+    p.add_argument("--batch-size", type=in_range(1), default=64, help="batch of this process")
+    p.add_argument("--test-batch-size", type=in_range(1), default=1000)
+    p.add_argument("--lr", type=in_range(0.0, cast=float), default=1.0, help="x0.7 each epoch")
+    p.add_argument("--seed", type=in_range(0, 2**32), default=1)
+    p.add_argument("--max-steps", type=in_range(0), default=0, help="steps per epoch (0: all)")
+    p.add_argument("--log-interval", type=in_range(0), default=100, help="steps between lines")
     p.add_argument("--cpu", action="store_true", help="ignore GPUs")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: cores / processes)")
+    p.add_argument("--threads", type=in_range(0), default=0, help="CPU threads (0: PyTorch's)")
     p.add_argument("--no-dropout", action="store_true", help="for exact comparisons of modes")
-    p.add_argument("--save-model", metavar="PATH", help="save the trained weights here")
-    p.add_argument("--metrics-json", metavar="PATH", help="write the run's metrics record here")
-    p.add_argument("--snapshot", metavar="PATH", help="saved each epoch; resumed from if it exists")
-    p.add_argument("--snapshot-every", type=int, default=0, metavar="N", help="also every N steps")
-    p.add_argument("--timeout", type=float, default=300, help="seconds to wait for the others")
-    args = p.parse_args(argv)
-    for name in POSITIVE + NOT_NEGATIVE:
-        value = getattr(args, name)
-        if not (0 < value < math.inf if name in POSITIVE else 0 <= value < math.inf):  # NaN too
-            kind = "positive" if name in POSITIVE else "zero or more"
-            fail(f"--{name.replace('_', '-')} must be {kind}, got {value}")
-    if not 0 <= args.seed < 2**32:
-        fail(f"--seed must be in 0..2**32-1, got {args.seed}")
-    for path in filter(None, [args.metrics_json, args.save_model, args.snapshot]):  # those given
-        if os.path.isdir(path) or not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
-            fail(f"cannot write {path}: its folder does not exist or is not writable")
-    return args
+    p.add_argument("--save-model", type=writable, metavar="PATH", help="save the weights here")
+    p.add_argument("--metrics-json", type=writable, metavar="PATH", help="write the record here")
+    # 06: what a restart resumes from, and how long a lost peer may keep the others waiting
+    p.add_argument("--snapshot", type=writable, metavar="PATH", help="saved, and resumed from")
+    p.add_argument("--snapshot-every", type=in_range(0), default=0, help="also every N steps")
+    p.add_argument("--timeout", type=in_range(1, cast=float), default=300,
+                   help="seconds that any wait for the others or torchrun's store may last")
+    try:
+        return p.parse_args(argv)
+    except argparse.ArgumentError as e:
+        sys.exit(f"error: {e}")  # one line on stderr, exit status 1, as every bad input here
 
-def first_line(error):
-    """An exception in one line: its message's first, or its type when it has no message."""
-    return (str(error) or type(error).__name__).splitlines()[0]
 
-def attempt_store(args, rank):
+def lost(error):  # 06: the errors we can explain; any other is a bug and keeps its traceback
+    """A lost peer or a passed --timeout: torch's distributed errors (the store's timeout is a
+    DistStoreError), and gloo's, a plain RuntimeError whose message starts with the place in gloo's
+    transport that saw it: "[.../gloo/transport/tcp/pair.cc:561] Connection closed by peer ..."."""
+    known = (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError)
+    return isinstance(error, known) or "/gloo/transport/" in str(error).split("]")[0]
+
+
+def attempt_store(args, rank):  # 06
     """torchrun's agent keeps one store across restarts, holding the dead attempt's keys, and counts
     restarts per node (TORCHELASTIC_RESTART_COUNT differs between nodes). Keys under a prefix that
     every rank agrees on, how often this rank has started, keep the attempts apart."""
@@ -107,29 +118,35 @@ def attempt_store(args, rank):
     starts = store.add(f"starts/rank{rank}", 1)
     return dist.PrefixStore(f"attempt{starts}/", store)
 
+
 def setup(args):
-    """The one place that decides the device (in the DDP scripts: rank and world size too)."""
-    if "RANK" not in os.environ:
-        fail(f"start me with torchrun: torchrun --standalone --nproc_per_node N {__file__}")
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])  # its number, and how many, on its machine
+    """Where this process trains (an accelerator if there is one), and that it is the main one."""
+    if "RANK" not in os.environ:  # DDP: torchrun tells each process who it is
+        sys.exit(f"error: start me with torchrun --standalone --nproc_per_node N {__file__}")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP: of all
+    local_rank = int(os.environ["LOCAL_RANK"])  # DDP: its number, and how many, on its machine
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
-    cuda = torch.cuda.is_available() and not args.cpu
-    devices = [torch.device("cuda", local_rank)] if cuda else [torch.device("cpu")]
-    if cuda:  # object collectives (the snapshot's RNG states) run on the current GPU
-        torch.cuda.set_device(devices[0])
-    threads = args.threads or max(1, len(os.sched_getaffinity(0)) // local_world_size)  # shared
-    torch.set_num_threads(threads)
-    try:
-        dist.init_process_group("nccl" if cuda else "gloo", store=attempt_store(args, rank),
-                                rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=args.timeout),
-                                device_id=devices[0] if cuda else None)
-    except dist.DistError as e:
-        fail(f"rank {rank} could not join the others: {first_line(e)}")
-    return dict(rank=rank, world_size=world_size, nodes=world_size // local_world_size,
-                backend=dist.get_backend(), master=rank == 0, local_rank=local_rank,
-                threads=threads, device=devices[0], devices=devices)
+    accelerator = torch.accelerator.current_accelerator(check_available=True)  # CUDA, MPS, XPU...
+    device = torch.device("cpu") if args.cpu or accelerator is None else accelerator
+    if device.type == "mps":  # DDP: no backend takes MPS tensors today
+        print("DDP cannot use MPS: training on the CPU", file=sys.stderr)
+        device = torch.device("cpu")
+    if device.type != "cpu":  # DDP: one GPU per process, the current device for collectives
+        if local_world_size > torch.accelerator.device_count():
+            sys.exit(f"error: {local_world_size} processes on this machine but "
+                     f"{torch.accelerator.device_count()} GPU(s): start fewer, or add --cpu to try "
+                     "DDP on the CPU")
+        device = torch.device(device.type, local_rank)
+        torch.accelerator.set_device_index(local_rank)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    backend = dist.get_default_backend_for_device(device)  # DDP: gloo for the CPU, nccl for CUDA
+    dist.init_process_group(backend, device_id=None if device.type == "cpu" else device,
+                            store=attempt_store(args, rank), rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout))  # 06: this attempt's keys
+    return SimpleNamespace(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
+                           nodes=world_size // local_world_size, backend=backend, is_main=rank == 0)
+
 
 def load_mnist(args, train):
     """(images, labels) of one split, normalised once: the input pipeline is never what we time."""
@@ -138,14 +155,12 @@ def load_mnist(args, train):
         n = 60000 if train else 10000
         return torch.randn(n, 1, 28, 28, generator=rng), torch.randint(0, 10, (n,), generator=rng)
     try:
-        os.makedirs(args.data_dir, exist_ok=True)
-        with open(os.path.join(args.data_dir, "download.lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # nodes that share this folder download it once
-            mnist = datasets.MNIST(args.data_dir, train=train, download=True)
+        mnist = datasets.MNIST(args.data_dir, train=train, download=True)
     except Exception as e:
-        fail(f"MNIST could not be loaded from {args.data_dir}/MNIST/raw ({type(e).__name__}: "
-             f"{str(e)[:150]!r}); delete a corrupt file to download it again, or use --synthetic")
+        sys.exit(f"error: MNIST could not be loaded from {args.data_dir} ({type(e).__name__}: "
+                 f"{str(e)[:150]!r}); delete a corrupt file to download again, or use --synthetic")
     return (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, mnist.targets  # MNIST's mean, std
+
 
 def batches(data, indices, batch_size):
     """Batches sliced from tensors on the device: no step waits for the host or a DataLoader."""
@@ -154,193 +169,227 @@ def batches(data, indices, batch_size):
     for batch in index.split(batch_size):
         yield images[batch], labels[batch]
 
-def clock(device):
-    """Seconds, read once the device has done its work: GPU work is queued, not yet done."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
-def peak_memory_bytes(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS (KiB on Linux)
-
-def all_ranks(value, device, op=dist.ReduceOp.SUM):
-    """value summed over all ranks (or their maximum, with op=MAX), on every rank."""
-    tensor = torch.as_tensor(value, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=op)
-    return tensor.item()
-
-def rng_state(device):
-    """The generators dropout draws from: the CPU's, and the GPU's where it runs."""
-    gpu = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), gpu
-
-def save_snapshot(path, ctx, net, optimizer, scheduler, epoch, step):
-    """All an exact resume needs: weights, optimizer, schedule, position and every rank's RNG."""
-    rngs = [None] * ctx["world_size"]
-    dist.all_gather_object(rngs, rng_state(ctx["device"]))
-    if ctx["master"]:
-        state = dict(model=net.state_dict(), optimizer=optimizer.state_dict(),
-                     scheduler=scheduler.state_dict(), epoch=epoch, step=step, rngs=rngs)
-        torch.save(state, f"{path}.tmp")
-        os.replace(f"{path}.tmp", path)  # a kill during the save leaves the last snapshot whole
-
-def resume(path, ctx, net, optimizer, scheduler):
-    """(epoch, step) to go on from. Rank 0 reads the snapshot and sends it to every rank: all resume
-    the same state, or all stop. (1, 0) when there is none."""
-    state = [None]
-    if ctx["master"] and path and os.path.exists(path):
-        try:
-            state = [torch.load(path, map_location="cpu")]
-        except Exception as e:
-            state = [f"snapshot {path} could not be loaded ({type(e).__name__}); move it away"]
-    dist.broadcast_object_list(state, src=0, device=ctx["device"])
-    state = state[0]
-    if state is None:
-        return 1, 0
-    if isinstance(state, str) or len(state["rngs"]) != ctx["world_size"]:
-        fail(state if isinstance(state, str) else f"snapshot {path} is from another world size")
-    net.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    cpu_rng, gpu_rng = state["rngs"][ctx["rank"]]  # each rank's own dropout masks go on
-    torch.set_rng_state(cpu_rng)
-    if gpu_rng is not None:
-        torch.cuda.set_rng_state(gpu_rng, ctx["device"])
-    if ctx["master"]:
-        print(f"resuming from {path}: epoch {state['epoch']}, step {state['step']}", flush=True)
-    return state["epoch"], state["step"]
-
-def train_epoch(model, data, sampler, optimizer, args, ctx, epoch, start_step=0, save=None):
-    """One epoch of this process's share of the data."""
+def train_epoch(model, train_batches, optimizer, args, world, epoch, first, save):  # 06
+    """One epoch of training; returns the mean training loss."""
     model.train()
-    device = ctx["device"]
-    steps = len(sampler) // args.batch_size  # full batches only: one shape for every step
-    steps = min(steps, args.max_steps or steps)
-    warmup = min(start_step + WARMUP_STEPS, steps - 1) if epoch == 1 or start_step else 0
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for each_device in ctx["devices"]:  # on GPUs: the peak of training, not of loading the data
-        if each_device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(each_device)
-    start = steady_start = clock(device)
-    order = list(sampler)[start_step * args.batch_size:steps * args.batch_size]  # what is left
-    for step, (images, labels) in enumerate(batches(data, order, args.batch_size), start_step):
-        if step == warmup:
-            steady_start = clock(device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=world.device)
+    for step, (images, labels) in enumerate(train_batches, first):  # 06: a resumed epoch's numbers
         optimizer.zero_grad(set_to_none=True)
         output = model(images)
         loss = F.cross_entropy(output, labels)
         loss.backward()
         optimizer.step()
-        loss_sum += loss.detach() * len(labels)  # summed on the device: no waiting for the GPU
-        if ctx["master"] and args.log_interval and step % args.log_interval == 0:
-            print(f"epoch {epoch} step {step}/{steps} loss {loss.item():.4f}", flush=True)
-        last = step + 1 == steps  # the end of an epoch is saved after its evaluation
-        if save and args.snapshot_every and (step + 1) % args.snapshot_every == 0 and not last:
+        loss_sum += loss.detach()  # summed on the device: no waiting for the GPU
+        if world.is_main and args.log_interval and step % args.log_interval == 0:
+            print(f"epoch {epoch} step {step} loss {loss.item():.4f}", flush=True)
+        if args.snapshot_every and (step + 1) % args.snapshot_every == 0:  # 06
             save(epoch, step + 1)
-    end = clock(device)
-    loss_sum = all_ranks(loss_sum, device)  # totals over all ranks
-    samples = int(all_ranks((steps - start_step) * args.batch_size, device))
-    steady_samples = int(all_ranks((steps - warmup) * args.batch_size, device))
-    time_s = all_ranks(end - start, device, dist.ReduceOp.MAX)  # the slowest rank sets the pace
-    steady_time_s = all_ranks(end - steady_start, device, dist.ReduceOp.MAX)
-    memory = [int(all_ranks(peak_memory_bytes(device), device, dist.ReduceOp.MAX))]
-    return dict(steps=steps, train_samples=samples, steady_samples=steady_samples,
-                train_loss=loss_sum / samples, train_time_s=time_s, steady_time_s=steady_time_s,
-                peak_memory_bytes=max(memory), peak_memory_per_device=memory)
+    dist.all_reduce(loss_sum)  # DDP: summed over all ranks, each of which took as many steps
+    return loss_sum.item() / (step + 1 - first) / world.world_size  # 06: of the steps run here
+
 
 @torch.no_grad()
-def evaluate(net, data, indices, args, ctx):
-    """Loss and accuracy on the test set: this process scores its share (in DDP: totals of all)."""
+def evaluate(net, data, indices, args, world):
+    """Loss and accuracy on the test images at these indices."""
     net.eval()
-    loss_sum, correct, count = 0.0, 0, len(indices)
+    for buffer in net.buffers():  # DDP: all ranks test rank 0's model (BatchNorm's statistics)
+        dist.broadcast(buffer, 0)
+    loss_sum, correct = 0.0, 0
     for images, labels in batches(data, indices, args.test_batch_size):
         output = net(images)
         loss_sum += F.cross_entropy(output, labels, reduction="sum").item()
         correct += (output.argmax(dim=1) == labels).sum().item()
-    loss_sum, correct, count = (all_ranks(x, ctx["device"]) for x in (loss_sum, correct, count))
+    totals = torch.tensor([loss_sum, correct, len(indices)], device=world.device)  # DDP
+    dist.all_reduce(totals)  # DDP: each rank scored its share; these are the sums of all
+    loss_sum, correct, count = totals.tolist()
     return dict(test_loss=loss_sum / count, test_accuracy=correct / count, test_samples=int(count))
 
-def metrics_record(args, ctx, epochs):
-    """The run's record, for the harness in bench/ (keys are added, never renamed)."""
-    steady_samples = sum(e["steady_samples"] for e in epochs)
-    steady_time_s = sum(e["steady_time_s"] for e in epochs)
-    names = [torch.cuda.get_device_name(d) if d.type == "cuda" else "cpu" for d in ctx["devices"]]
-    return dict(
-        schema=1, script=os.path.basename(__file__), mode=MODE, device_type=ctx["device"].type,
-        device_names=names, world_size=ctx["world_size"], nodes=ctx["nodes"], lr=args.lr,
-        backend=ctx["backend"], threads=ctx["threads"], epochs=len(epochs), argv=sys.argv,
-        per_device_batch=args.batch_size, global_batch=args.batch_size * ctx["world_size"],
-        train_samples=sum(e["train_samples"] for e in epochs), steady_samples=steady_samples,
-        steps=sum(e["steps"] for e in epochs), samples_per_s=steady_samples / steady_time_s,
-        steady_time_s=steady_time_s, epochs_detail=epochs, torch_version=torch.__version__,
-        test_accuracy=epochs[-1]["test_accuracy"], test_loss=epochs[-1]["test_loss"],
-        peak_memory_bytes=max(e["peak_memory_bytes"] for e in epochs), synthetic=args.synthetic)
 
-def run(args, ctx):
-    device = ctx["device"]
-    torch.manual_seed(args.seed + ctx["rank"])  # its own dropout masks; DDP copies rank 0's weights
-    if ctx["local_rank"] != 0:
-        dist.barrier()  # one process per node downloads; the others wait, then read its files
-    train_data = [t.to(device) for t in load_mnist(args, train=True)]  # 188 MB: fits any GPU
-    test_data = [t.to(device) for t in load_mnist(args, train=False)]
-    if ctx["local_rank"] == 0:
-        dist.barrier()
+def save_snapshot(path, world, net, optimizer, scheduler, epoch, step):  # 06
+    """All an exact resume needs: weights, optimizer, schedule, position and every rank's RNG."""
+    rngs = [None] * world.world_size
+    accelerator = None if world.device.type == "cpu" else torch.get_device_module(world.device)
+    gpu = accelerator and accelerator.get_rng_state()  # each rank draws its own dropout masks
+    dist.all_gather_object(rngs, (torch.get_rng_state(), gpu))
+    if world.is_main:
+        state = dict(model=net.state_dict(), optimizer=optimizer.state_dict(),
+                     scheduler=scheduler.state_dict(), epoch=epoch, step=step, rngs=rngs)
+        torch.save(state, f"{path}.tmp")
+        os.replace(f"{path}.tmp", path)  # a kill during the save leaves the last snapshot whole
+
+
+def resume(path, world, net, optimizer, scheduler):  # 06
+    """(epoch, step) to go on from, (1, 0) with no snapshot. Every rank says what its path holds; if
+    all see the same, all resume rank 0's copy, so one state. Otherwise all stop, in one line."""
+    state = seen = None
+    if path and os.path.exists(path):
+        try:
+            state = torch.load(path, map_location="cpu")
+            seen = (state["epoch"], state["step"], len(state["rngs"]))
+        except Exception as e:
+            seen = f"snapshot {path} could not be loaded ({type(e).__name__}); move it away"
+    views = [None] * world.world_size
+    dist.all_gather_object(views, seen)
+    for view in views:
+        if isinstance(view, str):  # every rank stops, not only the one that read it
+            sys.exit(f"error: {view}")
+    if len(set(views)) > 1:
+        said = ", ".join(f"rank {r}: {'none' if v is None else 'epoch %d step %d' % v[:2]}"
+                         for r, v in enumerate(views))
+        sys.exit(f"error: the ranks see different snapshots at --snapshot {path} ({said}): it "
+                 "must be on a path every node sees")
+    if seen is None:
+        return 1, 0
+    if seen[2] != world.world_size:
+        sys.exit(f"error: snapshot {path} is from world size {seen[2]}, not {world.world_size}")
+    dist.broadcast_object_list(sent := [state], src=0)  # all resume what rank 0 read: one state
+    state = sent[0]
+    net.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    cpu_rng, gpu_rng = state["rngs"][world.rank]  # each rank's own dropout masks go on
+    torch.set_rng_state(cpu_rng)
+    if gpu_rng is not None:
+        torch.get_device_module(world.device).set_rng_state(gpu_rng)
+    if world.is_main:
+        print(f"resuming from {path}: epoch {state['epoch']}, step {state['step']}", flush=True)
+    return state["epoch"], state["step"]
+
+
+def run(args, world):
+    torch.manual_seed(args.seed + world.rank)  # DDP: its own dropout; DDP copies rank 0's weights
+    if world.local_rank != 0:
+        dist.barrier()  # DDP: one process per machine downloads; the others wait, then read it
+    train_data = [t.to(world.device) for t in load_mnist(args, train=True)]  # 188 MB: fits any GPU
+    test_data = [t.to(world.device) for t in load_mnist(args, train=False)]
+    if world.local_rank == 0:
+        dist.barrier()  # DDP: the files are there
     train_size, test_size = len(train_data[1]), len(test_data[1])
-    # Each replica trains on its share of every epoch's shuffle (01 and 02 have one: all of it).
-    sampler = DistributedSampler(range(train_size), ctx["world_size"], ctx["rank"], seed=args.seed)
-    # Each rank tests every world_size-th image: all of them exactly once, no padded repeats.
-    test_indices = range(ctx["rank"], test_size, ctx["world_size"])
-    if len(sampler) < args.batch_size:
-        fail(f"--batch-size {args.batch_size} is more than the {len(sampler)} training images")
-    net = Net(dropout=not args.no_dropout).to(device)
-    model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
+    sampler = DistributedSampler(range(train_size), world.world_size, world.rank, seed=args.seed)
+    test_indices = range(world.rank, test_size, world.world_size)  # DDP: each image once, unpadded
+    steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))  # full batches
+    if steps == 0:
+        sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(sampler)} images")
+    net = Net(dropout=not args.no_dropout).to(world.device)
+    model = DDP(net)  # DDP: averages the gradients of all ranks in backward()
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
 
-    def save(epoch, step):
-        save_snapshot(args.snapshot, ctx, net, optimizer, scheduler, epoch, step)
+    def save(epoch, step):  # 06: an epoch's last step is kept after its test, as (epoch + 1, 0)
+        if args.snapshot and step < steps:
+            save_snapshot(args.snapshot, world, net, optimizer, scheduler, epoch, step)
 
-    first_epoch, start_step = resume(args.snapshot, ctx, net, optimizer, scheduler)
-    if first_epoch > args.epochs:
-        if ctx["master"]:
+    first_epoch, first_step = resume(args.snapshot, world, net, optimizer, scheduler)  # 06
+    if first_epoch > args.epochs:  # 06
+        if world.is_main:
             print(f"{args.snapshot} has all {args.epochs} epochs: nothing to do", file=sys.stderr)
         return
-
-    epochs = []
-    for epoch in range(first_epoch, args.epochs + 1):
-        sampler.set_epoch(epoch)
-        first_step = start_step if epoch == first_epoch else 0
-        train = train_epoch(model, train_data, sampler, optimizer, args, ctx, epoch,
-                            start_step=first_step, save=save if args.snapshot else None)
-        test = evaluate(net, test_data, test_indices, args, ctx)
-        epochs.append(dict(epoch=epoch, lr=scheduler.get_last_lr()[0], **train, **test))
+    epochs = []  # measure: each epoch's timing and results
+    for epoch in range(first_epoch, args.epochs + 1):  # 06
+        sampler.set_epoch(epoch)  # a new shuffle of all the training images every epoch
+        first = first_step if epoch == first_epoch else 0  # 06: a resumed epoch goes on from there
+        order = list(sampler)[first * args.batch_size:steps * args.batch_size]  # 06
+        train_batches = batches(train_data, order, args.batch_size)
+        train_batches = timed(train_batches, world, epochs)  # measure
+        train_loss = train_epoch(model, train_batches, optimizer, args, world, epoch,
+                                 first, save)  # 06: from step first; snapshots on the way
+        test = evaluate(net, test_data, test_indices, args, world)
+        epochs[-1].update(epoch=epoch, train_loss=train_loss, **test)  # measure
         scheduler.step()
-        if args.snapshot and epoch < args.epochs:  # the last one once the outputs are written
+        if epoch < args.epochs:  # 06: the last one once the outputs are written
             save(epoch + 1, 0)
-        if ctx["master"]:
-            print(f"epoch {epoch}: train loss {train['train_loss']:.4f}, accuracy "
+        if world.is_main:
+            print(f"epoch {epoch}: train loss {train_loss:.4f}, accuracy "
                   f"{test['test_accuracy']:.2%} of {test['test_samples']} test images", flush=True)
-    record = metrics_record(args, ctx, epochs)
-    if ctx["master"]:
-        note = " (synthetic data: the accuracy means nothing)" if args.synthetic else ""
-        print(f"{MODE}: {record['samples_per_s']:.0f} samples/s, world size {ctx['world_size']}, "
-              f"{device}{note}")
-        if args.save_model:
-            torch.save(net.state_dict(), args.save_model)
-        if args.metrics_json:  # whole or not at all: renamed once written
-            with open(f"{args.metrics_json}.tmp", "w") as f:
-                json.dump(record, f, indent=2)
-            os.replace(f"{args.metrics_json}.tmp", args.metrics_json)
-    if args.snapshot:  # after the outputs: a restart before this redoes the last epoch
-        save(args.epochs + 1, 0)
+    if world.is_main and args.save_model:
+        torch.save(net.state_dict(), args.save_model)
+    write_record(args.metrics_json, args, world, epochs)  # measure
+    save(args.epochs + 1, 0)  # 06: after the outputs: a restart before this redoes the last epoch
+
+
+# ---- Measurement, for the benchmark in bench/ only. A copier may delete from here down to -----
+# `if __name__`, and the lines above marked "# measure": the script still trains.
+WARMUP_STEPS = 5  # left out of samples_per_s: the first steps pay for allocation and kernel choice
+
+
+def clock(device):
+    """Seconds, read once the device has done its work: GPU work is queued, not yet done."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+    return time.perf_counter()
+
+
+def timed(train_batches, world, epochs):
+    """The same batches, timing the steps between them; appends the epoch's timing to epochs."""
+    device = world.device
+    warmup = 0 if epochs else WARMUP_STEPS  # the first epoch's first steps
+    if warmup and device.type != "cpu":
+        torch.accelerator.reset_peak_memory_stats(device)  # the peak of training, not loading
+    starts = []  # of the warm-up steps and of the first timed one: at least one step is timed
+    for step, (images, labels) in enumerate(train_batches):
+        if step <= warmup:
+            starts.append(clock(device))  # warm-up steps wait for the device; later ones never
+        yield images, labels
+    end = clock(device)
+    peak = None if device.type == "cpu" else torch.accelerator.max_memory_allocated(device)
+    steps, batch = step + 1, len(labels) * world.world_size  # DDP: the batches of all ranks
+    seconds = torch.tensor([end - starts[0], end - starts[-1]], dtype=torch.float64, device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # DDP: in the time of the slowest rank
+    seconds = seconds.tolist()
+    epochs.append(dict(steps=steps, train_samples=steps * batch,
+                       steady_samples=(steps - len(starts) + 1) * batch, train_time_s=seconds[0],
+                       steady_time_s=seconds[1], peak_memory_bytes=peak))  # peak: None on the CPU
+
+
+def write_record(path, args, world, epochs):
+    """Prints the throughput and writes the run's record (keys are added, never renamed)."""
+    if not world.is_main:
+        return
+    device = world.device
+    totals = {key: sum(e[key] for e in epochs)
+              for key in ["steps", "train_samples", "steady_samples", "steady_time_s"]}
+    record = dict(
+        schema=1,
+        script=os.path.basename(__file__),
+        mode=MODE,
+        device_type=device.type,
+        device_names=[torch.cuda.get_device_name() if device.type == "cuda" else device.type],
+        world_size=world.world_size,
+        nodes=world.nodes,
+        backend=world.backend,
+        threads=torch.get_num_threads(),
+        per_device_batch=args.batch_size,
+        global_batch=args.batch_size * world.world_size,
+        lr=args.lr,
+        epochs=len(epochs),
+        **totals,
+        samples_per_s=totals["steady_samples"] / totals["steady_time_s"],
+        epochs_detail=epochs,
+        test_accuracy=epochs[-1]["test_accuracy"],
+        test_loss=epochs[-1]["test_loss"],
+        peak_memory_bytes=epochs[-1]["peak_memory_bytes"],  # the peak since training began
+        synthetic=args.synthetic,
+        torch_version=torch.__version__,
+        argv=sys.argv,
+    )
+    note = " (synthetic data: the accuracy means nothing)" if args.synthetic else ""
+    print(f"{MODE}: {record['samples_per_s']:.0f} samples/s, world size {world.world_size}, "
+          f"{device}{note}")
+    if path:  # whole or not at all: renamed once written
+        with open(f"{path}.tmp", "w") as f:
+            json.dump(record, f, indent=2)
+        os.replace(f"{path}.tmp", path)
+
 
 if __name__ == "__main__":
     args = parse_args()
-    ctx = setup(args)
     try:
-        run(args, ctx)
-    except RuntimeError as e:  # a peer died (gloo: RuntimeError) or --timeout passed: one line
-        fail(f"rank {ctx['rank']} stopped (did another fail first?): {first_line(e)}")
-    dist.destroy_process_group()
+        run(args, setup(args))
+    except RuntimeError as e:  # 06: a lost peer or --timeout in one line; a bug with its traceback
+        if not lost(e):
+            raise
+        stage = "stopped" if dist.is_initialized() else "could not join the others"
+        sys.exit(f"error: rank {os.environ['RANK']} {stage} (a peer lost, or --timeout passed): "
+                 f"{(str(e) or type(e).__name__).splitlines()[0]}")
+    dist.destroy_process_group()  # DDP
