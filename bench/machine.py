@@ -8,10 +8,8 @@ import socket
 import subprocess
 import sys
 
-# torch's environment report, the versions it leaves out, the TF32/cuDNN settings runs start with (the scripts
-# keep them), from a child process: the harness never imports torch (nor initialises CUDA).
-TORCH_REPORT = """import json, warnings, torch, torchvision
-from torch.utils import collect_env
+# In a child process (the harness never imports torch): torch's report, versions it omits, the TF32/cuDNN settings.
+TORCH_REPORT = """import json, warnings, torch, torchvision, torch.utils.collect_env as collect_env
 warnings.simplefilter("ignore")  # allow_tf32 is deprecated in new releases; its value still applies
 info = collect_env.get_env_info()._asdict()
 info.update(torchvision_version=torchvision.__version__,
@@ -21,6 +19,8 @@ info.update(torchvision_version=torchvision.__version__,
             cudnn_version=torch.backends.cudnn.version(), float32_matmul_precision=torch.get_float32_matmul_precision())
 print(json.dumps(info))"""
 COUNT_GPUS = "import torch; print(torch.cuda.device_count())"
+BRAND = {"posix": ["sysctl", "-n", "machdep.cpu.brand_string"],  # the CPU's name on macOS, and on Windows:
+         "nt": ["powershell", "-NoProfile", "-Command", "(Get-CimInstance Win32_Processor)[0].Name"]}
 
 
 def free_port():
@@ -31,18 +31,16 @@ def free_port():
 
 
 def output_of(argv):
-    """stdout of a command, or None when it is missing or fails (no nvidia-smi on a CPU machine)."""
+    """stdout of a command, less the escape codes nvidia-smi writes even into a pipe; None if it is missing or fails."""
     try:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=120) if shutil.which(argv[0]) else None
     except (OSError, subprocess.SubprocessError):
         return None
-    # nvidia-smi underlines its header with terminal escape codes even into a pipe: keep the text only.
     return re.sub(r"\x1b\[[0-9;]*m", "", out.stdout).strip() if out and out.returncode == 0 else None
 
 
 def gpus():
-    """[(id, name)] of the GPUs runs may use, ids as CUDA_VISIBLE_DEVICES names them: those it holds if the user
-    set it, else all in nvidia-smi's order (the runs get CUDA_DEVICE_ORDER=PCI_BUS_ID: CUDA's order too)."""
+    """[(id, name)] of the GPUs runs may use, ids as in CUDA_VISIBLE_DEVICES: those it lists, else all, by PCI bus."""
     listed = output_of(["nvidia-smi", "--query-gpu=index,uuid,name", "--format=csv,noheader"]) or ""
     names = {key: name for i, uuid, name in (line.split(", ", 2) for line in listed.splitlines()) for key in (i, uuid)}
     if not listed:  # no nvidia-smi: ask torch, in a child process, how many GPUs it sees
@@ -53,17 +51,18 @@ def gpus():
 
 
 def cpu_model():
+    """The CPU's brand string, one text for one CPU on every OS: Linux's /proc/cpuinfo, else the OS's own tool."""
+    if not os.path.exists("/proc/cpuinfo"):
+        return output_of(BRAND[os.name]) or platform.processor() or platform.machine()
     with open("/proc/cpuinfo") as f:
-        models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    return models[0] if models else platform.machine()
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.machine())
 
 
 def cpu_cores():
-    return len(os.sched_getaffinity(0))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # Linux: affinity
 
 
-def hardware_label(gpu_names, cpu_processes):
-    """One line for plot titles and the report."""
+def hardware_label(gpu_names, cpu_processes):  # one line for plot titles and the report
     cpu = f"CPU only: {cpu_model()}, {cpu_cores()} cores, up to {cpu_processes} processes (gloo)"
     return f"{len(gpu_names)}x {' + '.join(sorted(set(gpu_names)))}" if gpu_names else cpu
 
@@ -81,7 +80,8 @@ def environment(repo, gpus_used):
     git = output_of(["git", "-C", repo, "rev-parse", "HEAD"])
     return dict(
         host=socket.gethostname(), cpu_model=cpu_model(), cpu_cores=cpu_cores(),
-        memory_gib=round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        memory_gib=round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+        if hasattr(os, "sysconf") else None,  # Linux and macOS have sysconf, Windows not
         gpus_used=", ".join(f"{i}: {name}" for i, name in gpus_used),
         nvidia_smi_topo=output_of(["nvidia-smi", "topo", "-m"]),
         git_commit=git, git_dirty=bool(output_of(["git", "-C", repo, "status", "--porcelain"])) if git else None,

@@ -1,0 +1,337 @@
+"""Every machine a reader has. The scripts take CUDA, MPS, XPU or the CPU through torch.accelerator: this machine
+has no accelerator, so stand-ins play each one (torch.accelerator answering as on that machine, no device touched).
+And no call that only Linux has: every numbered script and the harness run here with what Windows lacks hidden
+from the repository's own code (fcntl, resource, os.sched_getaffinity), and the machine label is worked out as
+macOS and Windows would."""
+import io
+import os
+import re
+import runpy
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+import torchvision  # noqa: F401  (it imports torch._dynamo, which reads what stand_in replaces: first)
+
+from bench import machine
+from conftest import MODES, ROOT, launcher_env, load_script, run, script_command
+
+CPU = torch.device("cpu")
+# Started by torchrun, they count the GPUs in setup(); 04 and 05 count them once, in the parent's parse_args().
+LAUNCHED = [name for name in ["03_ddp_launch.py", "06_fault_tolerant.py", "08_fsdp.py"] if (ROOT / name).exists()]
+SPAWNING = {"04_ddp_spawn.py": "--nprocs", "05_multinode_mnist.py": "-g"}  # the flag that sets processes per machine
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """use(kind, count): torch reports `count` devices of an accelerator of that kind ("cuda", "mps", "xpu"; None:
+    no accelerator), as torch.accelerator, torch.cuda (02 and 07 count CUDA GPUs) and torch.backends.mps (07) do
+    there. Returns the indices that set_device_index was given."""
+    chosen = []
+
+    def use(kind, count=1):
+        device = torch.device(kind) if kind else None
+        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: device)
+        monkeypatch.setattr(torch.accelerator, "device_count", lambda: count if kind else 0)
+        monkeypatch.setattr(torch.accelerator, "set_device_index", chosen.append)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count if kind == "cuda" else 0)
+        monkeypatch.setattr(torch.backends.mps, "is_available", lambda: kind == "mps")
+        return chosen
+    return use
+
+
+@pytest.fixture
+def groups(monkeypatch):
+    """The (backend, device_id) of each init_process_group call, which does nothing more: no NCCL here."""
+    calls = []
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda backend=None, **options: calls.append((backend, options.get("device_id"))))
+    return calls
+
+
+def launched(monkeypatch, processes=1):
+    """This process as rank 0 of `processes` on one machine, with the variables torchrun (or 04's and 05's worker)
+    sets; no agent store (06 would ask torchrun's)."""
+    env = {**launcher_env(processes), "LOCAL_WORLD_SIZE": str(processes)}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+
+
+def assert_refused(exited, processes, gpus):
+    """One `error:` line that names both counts and both ways out: fewer processes, or --cpu."""
+    message = str(exited.value.code)
+    assert message.startswith("error:") and "\n" not in message, message
+    assert re.search(rf"\b{processes} processes\b", message) and re.search(rf"\b{gpus} GPU", message), message
+    assert "fewer" in message and "--cpu" in message, message
+
+
+@pytest.mark.parametrize("kind", ["cuda", "mps", "xpu", None])
+def test_01_trains_on_the_accelerator_there_is_and_on_the_cpu_with_cpu(kind, stand_in):
+    stand_in(kind)
+    single = load_script("01_single_gpu.py")
+    assert single.setup(single.parse_args([])).device == (torch.device(kind) if kind else CPU)
+    assert single.setup(single.parse_args(["--cpu"])).device == CPU
+
+
+@pytest.mark.parametrize("kind", ["mps", "xpu"])
+def test_02_on_an_accelerator_other_than_cuda_says_in_one_line_that_dp_needs_cuda_and_trains_one_replica(
+        kind, stand_in, capsys):
+    stand_in(kind, count=2)
+    dp = load_script("02_data_parallel.py")
+    world = dp.setup(dp.parse_args([]))
+    said = capsys.readouterr().err.splitlines()
+    assert (world.devices, world.world_size) == ([torch.device(kind)], 1)
+    assert len(said) == 1 and "DataParallel" in said[0] and "CUDA" in said[0], said
+
+
+def test_02_on_cuda_splits_over_every_gpu_without_a_word(stand_in, capsys):
+    stand_in("cuda", count=2)
+    dp = load_script("02_data_parallel.py")
+    world = dp.setup(dp.parse_args([]))
+    assert world.devices == [torch.device("cuda", 0), torch.device("cuda", 1)] and world.world_size == 2
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("name", LAUNCHED + list(SPAWNING))
+def test_ddp_on_mps_trains_on_the_cpu_with_gloo_and_says_so_in_one_line(name, stand_in, monkeypatch, capsys):
+    stand_in("mps")
+    launched(monkeypatch)
+    script = load_script(name)
+    try:
+        world = script.setup(script.parse_args([]))
+        assert (world.device, world.backend, dist.get_backend()) == (CPU, "gloo", "gloo")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 1 and "MPS" in said[0] and "CPU" in said[0], said
+
+
+@pytest.mark.parametrize("name", LAUNCHED + list(SPAWNING))
+def test_ddp_takes_nccl_for_cuda_one_gpu_per_process_and_gloo_for_the_cpu(name, stand_in, groups, monkeypatch):
+    assert dist.get_default_backend_for_device(torch.device("cuda", 0)) == "nccl"
+    assert dist.get_default_backend_for_device(CPU) == "gloo"
+    chosen = stand_in("cuda", count=1)
+    launched(monkeypatch)
+    script = load_script(name)
+    world = script.setup(script.parse_args([]))
+    assert (world.device, world.backend, chosen) == (torch.device("cuda", 0), "nccl", [0])
+    assert groups == [("nccl", torch.device("cuda", 0))]
+    world = script.setup(script.parse_args(["--cpu"]))
+    assert (world.device, world.backend, chosen) == (CPU, "gloo", [0])
+    assert groups[-1] == ("gloo", None)
+
+
+@pytest.mark.parametrize("kind", ["cuda", "xpu"])
+@pytest.mark.parametrize("name", LAUNCHED)
+def test_more_processes_than_gpus_are_refused_in_one_line_before_the_process_group(name, kind, stand_in, groups,
+                                                                                   monkeypatch):
+    stand_in(kind, count=1)
+    launched(monkeypatch, processes=2)
+    script = load_script(name)
+    with pytest.raises(SystemExit) as exited:
+        script.setup(script.parse_args([]))
+    assert_refused(exited, processes=2, gpus=1)
+    assert groups == []
+
+
+@pytest.mark.parametrize("name", SPAWNING)
+def test_spawning_scripts_refuse_more_processes_than_gpus_in_the_parent_before_any_process(name, stand_in,
+                                                                                         monkeypatch):
+    flag = SPAWNING[name]
+    stand_in("cuda", count=1)
+    spawned = []
+    monkeypatch.setattr(torch.multiprocessing, "spawn", lambda *args, **options: spawned.append(options))
+    monkeypatch.setattr(sys, "argv", [name, flag, "2"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(ROOT / name), run_name="__main__")
+    assert_refused(exited, processes=2, gpus=1)
+    assert spawned == []
+    script = load_script(name)  # both ways out are taken
+    assert script.parse_args([flag, "2", "--cpu"]).nprocs == 2
+    assert script.parse_args([flag, "1"]).nprocs == 1
+    stand_in("mps", count=1)  # DDP's processes train on the CPU there: any number
+    assert script.parse_args([flag, "2"]).nprocs == 2
+
+
+@pytest.mark.parametrize("kind", ["cuda", "mps"])
+def test_07_counts_cuda_or_mps_gpus_and_refuses_more_devices_in_one_line(kind, stand_in, monkeypatch):
+    stand_in(kind, count=1)
+    for key in ["LOCAL_WORLD_SIZE", "SLURM_NTASKS", "SLURM_JOB_NAME"]:  # not under torchrun or srun
+        monkeypatch.delenv(key, raising=False)
+    lightning = load_script("07_lightning.py")
+    with pytest.raises(SystemExit) as exited:
+        lightning.setup(lightning.parse_args(["--devices", "2"]))
+    assert_refused(exited, processes=2, gpus=1)
+    trainer = lightning.setup(lightning.parse_args(["--devices", "2", "--cpu"]))
+    assert type(trainer.accelerator).__name__ == "CPUAccelerator"
+
+
+# ---- The machine label (results/<label>, plot titles) on each OS, from the standard library only.
+
+CPUINFO = "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: {}\nflags\t\t: fpu\n\n"
+WINDOWS_NAME = "Intel64 Family 6 Model 154 Stepping 3, GenuineIntel"  # platform.processor() there
+
+
+@pytest.fixture
+def no_linux(monkeypatch):
+    """answering(answers): as on macOS or Windows, no /proc/cpuinfo and no os.sched_getaffinity, 12 cores, and the
+    commands machine runs answered from `answers` by name (None: missing). Returns the commands it ran."""
+    asked = []
+
+    def answering(answers):
+        exists = os.path.exists
+        monkeypatch.setattr(os.path, "exists", lambda path: path != "/proc/cpuinfo" and exists(path))
+        monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+        monkeypatch.setattr(os, "cpu_count", lambda: 12)
+        monkeypatch.setattr(machine, "output_of", lambda argv: asked.append(argv) or answers.get(argv[0]))
+        return asked
+    return answering
+
+
+def on_windows(monkeypatch, work):
+    """work() with os.name "nt" and no os.sysconf, undone before anything else runs (pytest's own reporting
+    needs the real os.name)."""
+    with monkeypatch.context() as windows:
+        windows.setattr(os, "name", "nt")
+        windows.delattr(os, "sysconf", raising=False)
+        windows.setattr(machine.platform, "processor", lambda: WINDOWS_NAME)
+        return work()
+
+
+def linux_label(monkeypatch, model, cores):
+    monkeypatch.setattr(os.path, "exists", lambda path, exists=os.path.exists: path == "/proc/cpuinfo" or exists(path))
+    monkeypatch.setattr(machine, "open", lambda path: io.StringIO(CPUINFO.format(model)), raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    return machine.machine_tag([])
+
+
+def test_the_linux_label_comes_from_cpuinfo_and_the_cores_this_process_may_use(monkeypatch):
+    assert linux_label(monkeypatch, "AMD EPYC", cores=2) == "cpu-2core-amd-epyc"  # results/ of this machine
+    assert machine.hardware_label([], 2) == "CPU only: AMD EPYC, 2 cores, up to 2 processes (gloo)"
+    assert machine.machine_tag(["NVIDIA H200"] * 4) == "4x-nvidia-h200"
+
+
+def test_macos_names_the_cpu_with_sysctl_and_counts_all_cores(no_linux):
+    asked = no_linux({"sysctl": "Apple M2 Pro"})
+    assert machine.machine_tag([]) == "cpu-12core-apple-m2-pro"
+    assert machine.hardware_label([], 2) == "CPU only: Apple M2 Pro, 12 cores, up to 2 processes (gloo)"
+    assert ["sysctl", "-n", "machdep.cpu.brand_string"] in asked
+
+
+def test_windows_names_the_cpu_as_linux_does_and_records_no_memory_figure(no_linux, monkeypatch):
+    brand = "12th Gen Intel(R) Core(TM) i7-12700H"
+    with monkeypatch.context() as on_linux:
+        linux = linux_label(on_linux, brand, cores=12)
+    asked = no_linux({"powershell": brand})
+    windows, env = on_windows(monkeypatch, lambda: (machine.machine_tag([]), machine.environment(str(ROOT), [])))
+    assert windows == linux == "cpu-12core-12th-gen-intel-core-i7-12700h"  # one CPU, one label, whatever the OS
+    assert asked[0][0] == "powershell" and "Win32_Processor" in asked[0][-1]
+    assert (env["cpu_model"], env["cpu_cores"], env["memory_gib"]) == (brand, 12, None)
+
+
+def test_without_the_os_tool_the_label_is_what_platform_knows(no_linux, monkeypatch):
+    no_linux({})
+    label = on_windows(monkeypatch, lambda: machine.machine_tag([]))
+    assert label == "cpu-12core-intel64-family-6-model-154-stepping-3-genuineintel"
+
+
+# ---- No call that only Linux has: what Windows lacks, hidden from the repository's code (torch keeps its own).
+
+HIDE_LINUX_ONLY = '''
+"""Put on PYTHONPATH: code under $HIDDEN_FROM (outside site-packages) cannot import fcntl or resource, as on
+Windows, and no process has os.sched_getaffinity (macOS and Windows have none). Each process writes its pid to
+$HIDDEN_LOG, so that a test knows the hook ran."""
+import builtins, importlib.abc, os, sys
+
+ROOT = os.path.abspath(os.environ["HIDDEN_FROM"])
+with open(os.environ["HIDDEN_LOG"], "a") as log:
+    log.write(f"{os.getpid()}\\n")
+
+
+LINUX_ONLY = ("fcntl", "resource")
+
+
+def refuse(name, filename):
+    path = os.path.abspath(filename or "")
+    if path.startswith(ROOT + os.sep) and "site-packages" not in path:
+        raise ModuleNotFoundError(f"No module named {name!r} (as on Windows): imported by {path}", name=name)
+
+
+def import_(name, globals=None, locals=None, fromlist=(), level=0, real=builtins.__import__):
+    if level == 0 and name.partition(".")[0] in LINUX_ONLY:  # a statement, even of a module torch loaded already
+        refuse(name, (globals or {}).get("__file__"))
+    return real(name, globals, locals, fromlist, level)
+
+
+class Finder(importlib.abc.MetaPathFinder):  # importlib.import_module(name) of a module not loaded yet
+    def find_spec(self, name, path=None, target=None):
+        frame = sys._getframe(1) if name in LINUX_ONLY else None
+        while frame and frame.f_globals.get("__name__", "").startswith(("importlib", "_frozen_importlib")):
+            frame = frame.f_back
+        if frame:
+            refuse(name, frame.f_globals.get("__file__"))
+        return None
+
+
+builtins.__import__ = import_
+sys.meta_path.insert(0, Finder())
+del os.sched_getaffinity
+'''
+
+PROBE = '''
+import importlib, os, torch  # torch imports fcntl for itself
+for attempt in ["import fcntl", "from resource import getrlimit", "importlib.import_module('resource')"]:
+    try:
+        exec(attempt)
+        print("imported:", attempt)
+    except ImportError:
+        print("refused:", attempt)
+print("sched_getaffinity:", hasattr(os, "sched_getaffinity"))
+'''
+# On real files, not --synthetic: loading them is where a download lock (fcntl on Linux) would be.
+SHORT_RUN = ["--max-steps", 2, "--epochs", 1, "--test-batch-size", 1000]
+MODE_OF = {mode.script: mode for mode in MODES.values()}
+NUMBERED = [name for name in sorted(MODE_OF) if (ROOT / name).exists()]
+
+
+def without_linux_only(tmp_path, root=ROOT):
+    """The environment of a run with the hook on, and the file each hooked process writes its pid to."""
+    (tmp_path / "hook").mkdir(exist_ok=True)
+    (tmp_path / "hook" / "sitecustomize.py").write_text(textwrap.dedent(HIDE_LINUX_ONLY))
+    log = tmp_path / "hooked.txt"
+    path = os.pathsep.join(filter(None, [str(tmp_path / "hook"), os.environ.get("PYTHONPATH")]))
+    return dict(PYTHONPATH=path, HIDDEN_FROM=str(root), HIDDEN_LOG=str(log)), log
+
+
+def test_the_hook_refuses_what_windows_lacks_to_the_repositorys_code_only(tmp_path):
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo" / "probe.py").write_text(PROBE)
+    env, log = without_linux_only(tmp_path, root=tmp_path / "repo")
+    said = run([sys.executable, str(tmp_path / "repo" / "probe.py")], env=env, timeout=120).stdout.splitlines()
+    assert said == ["refused: import fcntl", "refused: from resource import getrlimit",
+                    "refused: importlib.import_module('resource')", "sched_getaffinity: False"]
+    assert len(log.read_text().split()) == 1
+
+
+@pytest.mark.parametrize("name", NUMBERED)
+def test_every_script_runs_without_what_only_linux_has(name, quick_mnist_dir, tmp_path):
+    env, log = without_linux_only(tmp_path)
+    launch = MODE_OF[name].launch
+    extra = {"multinode": ["-n", 1, "-g", 1, "--nr", 0, "--master-port", machine.free_port()]}.get(launch, [])
+    nprocs = None if launch in ("python", "dp", "multinode") else 1
+    run(script_command(name, "--data-dir", quick_mnist_dir, *SHORT_RUN, *extra, nprocs=nprocs), env=env, timeout=240)
+    launcher_and_worker = launch in ("torchrun", "spawn", "multinode")
+    assert len(log.read_text().split()) >= 1 + launcher_and_worker  # the hook was in every process
+
+
+def test_the_harness_plans_a_sweep_without_what_only_linux_has(tmp_path, monkeypatch):
+    env, log = without_linux_only(tmp_path)
+    result = run([sys.executable, "bench/run_all.py", "--dry-run"], env=env, timeout=120)
+    assert log.read_text()
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # cores as macOS and Windows count them: all
+    folder = re.escape(os.path.join(ROOT, "results", machine.machine_tag([])))
+    assert re.search(rf"runs planned.*; results in {folder}(-\d+)?$", result.stdout.splitlines()[0]), result.stdout
