@@ -1,4 +1,4 @@
-"""The four plots of a sweep, each readable on its own: hardware in the title, units on the axes, a legend."""
+"""The five plots of a sweep, each readable on its own: hardware in the title, units on the axes, a legend."""
 import os
 
 import matplotlib
@@ -45,6 +45,7 @@ def write_all(out_dir, summary, hardware, settings):
     x01 = summary[(summary["mode"] == "single") & (summary["n"] == 1) & (summary["variant"] == "base")]
     ideal = {f"ideal: n x 01 [B={b}]": (lambda n, x=x: n * x)
              for b, x in zip(x01["per_device_batch"], x01["samples_per_s"])}
+    full = summary.loc[(summary["mode"] == "fsdp") & (summary["n"] == 1), "held_mib"].max()
     plots = [("throughput.png", "Training throughput", "samples_per_s", "throughput (samples/s, all devices)",
               dict(ideal=ideal)),
              ("efficiency.png", "Scaling efficiency E(n) = X(n) / (n X(01))", "efficiency", "efficiency (%)",
@@ -52,7 +53,9 @@ def write_all(out_dir, summary, hardware, settings):
              ("time_to_target.png", f"Time to {target} test accuracy (training time)", "time_to_target_s",
               "time to target (s)", dict(bars=True, empty=f"no run reached {target} (synthetic data cannot)")),
              ("accuracy.png", "Final test accuracy (10,000 images)", "test_accuracy", "test accuracy (%)",
-              dict(bars=True, scale=100, empty="no run finished"))]
+              dict(bars=True, scale=100, empty="no run finished")),
+             ("memory.png", "Weights, gradients and optimizer state per rank", "held_mib", "held per rank (MiB)",
+              dict(ideal={"each DDP rank (03): a full copy, as 08 at n = 1": lambda n: full}, empty="08 did not run"))]
     for name, title, column, ylabel, options in plots:
         draw(os.path.join(out_dir, name), summary, column, title, ylabel, hardware, xlabel, **options)
     return [(name, title) for name, title, *_ in plots]

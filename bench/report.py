@@ -6,7 +6,7 @@ import re
 
 import pandas as pd
 
-from bench.outputs import write_atomically, write_text
+from bench.outputs import read_json, write_atomically, write_text
 from bench.scripts import MODES
 
 BLOCKS = dict(re.findall(r"^<!-- (\w+) -->\n(.*?)\n*(?=^<!-- |\Z)",
@@ -20,7 +20,7 @@ FORMATS = {"speedup": "{:.2f}x".format, "speed_ratio": "{:.2f}x".format, "wall_r
 SUMMARY_VIEW = dict(variant="variant", mode="mode", n="n", runs="runs", world_size="world size",
                     global_batch="global batch", samples_per_s="samples/s", speedup="speed-up vs 01",
                     efficiency="efficiency E(n)", time_to_target_s="time to target (s)", test_accuracy="test accuracy",
-                    peak_memory_bytes="peak memory", wall_s="wall (s)")
+                    peak_memory_bytes="peak memory", held_mib="held per rank (MiB)", wall_s="wall (s)")
 VERSUS_VIEW = dict(variant="variant", per_device_batch="per-GPU batch", mode="mode", n="n",
                    samples_per_s_ref="{} samples/s", samples_per_s="samples/s", speed_ratio="samples/s ratio",
                    wall_s_ref="{} wall (s)", wall_s="wall (s)", wall_ratio="wall-time ratio",
@@ -33,7 +33,9 @@ LIMIT_VIEW = dict(variant="variant", mode="mode", n="n", per_device_batch="B", s
 def read_and_summarize(out_dir):
     """runs.csv, and its summary, written to summary.csv."""
     runs = pd.read_csv(os.path.join(out_dir, "runs.csv"), keep_default_na=False, na_values=[""])
-    summary = summarize(runs)
+    records = [read_json(os.path.join(out_dir, path), {}) for path in runs["metrics_path"]]
+    runs["held_mib"] = [max(r.get("bytes_per_rank") or [math.nan]) / 2**20 for r in records]  # 08's fullest rank
+    summary = summarize(runs).merge(runs.groupby(KEYS, as_index=False)["held_mib"].max(), on=KEYS, how="left")
     write_atomically(os.path.join(out_dir, "summary.csv"), lambda tmp: summary.to_csv(tmp, index=False))
     return runs, summary
 

@@ -1,0 +1,114 @@
+"""08_fsdp.py, run as a user runs it: FSDP2 takes DDP's update, each rank holds 1/n of the weights, gradients and
+optimizer state, evaluation counts every test image once, and the saved model is one plain state dict 01 loads."""
+import json
+
+import pytest
+import torch
+
+from conftest import QUICK_TEST_IMAGES, evaluate_on_one_process, launcher_env, load_script, run, script_command
+from test_docs import definitions
+from test_trainers import train_args
+
+GLOBAL_BATCH = 96  # = 1 x 96 = 2 x 48 = 3 x 32: every world size takes the same batches of the same order
+# At world size 3 rank 0 tests 334 of the 1,000 images, ranks 1 and 2 333: in batches of 111, 03's loop would give
+# rank 0 a fourth batch (of one image), so one forward, one all-gather of each layer, more than the others.
+TEST_BATCH = 111
+
+
+class Runs(dict):
+    """{(script number, world size): (record, saved weights)}, each run when first asked for: two short epochs at
+    the same global batch, dropout off so that the updates compare."""
+
+    def __init__(self, data_dir, tmp_path_factory):
+        super().__init__()
+        self.data_dir, self.tmp_path_factory = data_dir, tmp_path_factory
+
+    def __missing__(self, key):
+        number, n = key
+        script = {"01": "01_single_gpu.py", "03": "03_ddp_launch.py", "08": "08_fsdp.py"}[number]
+        out = self.tmp_path_factory.mktemp(f"{number}-{n}")
+        args = train_args(self.data_dir, out, "--epochs", 2, "--max-steps", 3, "--no-dropout", "--batch-size",
+                          GLOBAL_BATCH // n, "--test-batch-size", TEST_BATCH, "--log-interval", 0)
+        run(script_command(script, *args, nprocs=None if number == "01" else n), timeout=120)
+        self[key] = json.loads((out / "metrics.json").read_text()), torch.load(out / "model.pt")
+        return self[key]
+
+
+@pytest.fixture(scope="module")
+def runs(quick_mnist_dir, tmp_path_factory):
+    return Runs(quick_mnist_dir, tmp_path_factory)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_fsdp_takes_the_update_of_03_and_01(n, runs):
+    """03 (two processes) and 01 at the same global batch. The guard against gradients summed instead of
+    averaged (gloo's reduce-scatter once summed them: pytorch issue 162338)."""
+    record, weights = runs["08", n]
+    assert (record["mode"], record["world_size"], record["backend"]) == ("fsdp", n, "gloo")
+    assert (record["global_batch"], record["steps"]) == (GLOBAL_BATCH, 6)
+    for reference in [("03", 2), ("01", 1)]:
+        reference_record, reference_weights = runs[reference]
+        for mine, theirs in zip(record["epochs_detail"], reference_record["epochs_detail"], strict=True):
+            assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-4), reference
+        for name, tensor in reference_weights.items():
+            torch.testing.assert_close(weights[name], tensor, rtol=1e-4, atol=1e-5, msg=f"{reference}: {name}")
+    assert record["epochs_detail"][1]["train_loss"] < record["epochs_detail"][0]["train_loss"]  # it learns
+
+
+def test_each_rank_holds_one_nth_of_the_weights_gradients_and_optimizer_state(runs):
+    parameters = sum(p.numel() for p in load_script("01_single_gpu.py").Net().parameters())  # 1,199,882
+    full = 4 * 4 * parameters  # float32 weights, their gradients and Adadelta's two running averages: DDP's copy
+    for n in [1, 2, 3]:
+        record = runs["08", n][0]
+        held = record["bytes_per_rank"]
+        # A layer left gathered once it ran (the root not sharded: each layer a root) has whole weights, no shards
+        assert record["full_copy_bytes"] == full and len(held) == n, record["full_copy_bytes"]
+        assert sum(held) == full, held  # together one copy: nothing held twice, nothing left out
+        assert max(held) <= 1.02 * full / n, held  # rows split unevenly: at n = 3 rank 0 has 43 of fc1's 128
+
+
+def test_the_saved_model_is_one_plain_state_dict_that_01_loads(runs, quick_mnist_dir):
+    for n in [2, 3]:
+        weights = runs["08", n][1]
+        net = load_script("01_single_gpu.py").Net()
+        assert weights.keys() == net.state_dict().keys()
+        assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in weights.values())  # no DTensor
+        net.load_state_dict(weights)  # the whole model: every shape as 01's
+        assert evaluate_on_one_process(quick_mnist_dir, weights)["test_accuracy"] > 0.5  # chance is 0.1
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_sharded_evaluation_counts_every_test_image_once(n, runs, quick_mnist_dir):
+    record, weights = runs["08", n]
+    reference = evaluate_on_one_process(quick_mnist_dir, weights)
+    assert [e["test_samples"] for e in record["epochs_detail"]] == [QUICK_TEST_IMAGES] * 2
+    assert record["test_accuracy"] == reference["test_accuracy"]
+    assert record["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-6)
+
+
+def test_08_keeps_every_definition_of_03_that_sharding_does_not_change():
+    """Flags and their checks, the device and the refusals, the data, the training step and the timing."""
+    fsdp, ddp = definitions("08_fsdp.py"), definitions("03_ddp_launch.py")
+    for name in ["Net", "in_range", "writable", "parse_args", "setup", "load_mnist", "batches", "train_epoch",
+                 "clock", "timed"]:
+        assert fsdp[name] == ddp[name], f"08's {name} differs from 03's"
+
+
+def refusal(script, argv=()):
+    """What the script's setup() exits with, in this process (the test says what torch finds)."""
+    module = load_script(script)
+    with pytest.raises(SystemExit) as exited:
+        module.setup(module.parse_args(list(argv)))
+    return exited.value.code
+
+
+def test_bad_input_is_refused_in_one_line_as_03_refuses_it(monkeypatch):
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+    for key, value in {**launcher_env(world_size=2), "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    assert refusal("08_fsdp.py") == refusal("03_ddp_launch.py") == (
+        "error: 2 processes on this machine but 1 GPU(s): start fewer, or add --cpu to try DDP on the CPU")
+    assert refusal("08_fsdp.py", ["--lr", "nan"]).startswith("error: argument --lr: must be in")
+    monkeypatch.delenv("RANK")  # started with python, not torchrun
+    assert refusal("08_fsdp.py").startswith("error: start me with torchrun --standalone --nproc_per_node N")
