@@ -69,6 +69,20 @@ def gpu_settings(ids, per_device_batches=(32,)):
                          cores=16)
 
 
+def test_cpu_runs_share_the_cores_each_process_getting_cores_over_n_threads():
+    """On the CPU the n processes of a run share the machine's cores: --threads cores // n (at least 1), each of
+    05's two "nodes" on this host counted as n / 2 of the n processes, never the whole machine."""
+    settings = dataclasses.replace(gpu_settings([]), max_n=4, cores=8)
+    runs, _ = plan.plan(settings, MODES, [("base", [])], repeats=1)
+    assert {r.n for r in runs} == {1, 2, 4}
+    for run in runs:
+        for _, argv in commands(run, settings, "m.json", "run/snapshot.pt"):
+            assert argv[argv.index("--cpu") + 1:argv.index("--cpu") + 3] == ["--threads", str(8 // run.n)], argv
+    few_cores = dataclasses.replace(settings, cores=2)  # 4 processes on 2 cores: one thread each, not 0
+    _, argv = commands(next(r for r in runs if r.n == 4), few_cores, "m.json", "run/snapshot.pt")[0]
+    assert argv[argv.index("--threads") + 1] == "1"
+
+
 def test_gpu_commands_follow_the_batch_size_rules_and_use_the_harness_interpreter():
     settings = gpu_settings(["4", "5", "6", "7"])
     runs, _ = plan.plan(settings, MODES, [("base", [])], repeats=1)
