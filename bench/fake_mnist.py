@@ -6,7 +6,6 @@ MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-image
 
 
 def missing_mnist_files(data_dir):
-    """The raw files torchvision needs that are not under data_dir/MNIST/raw (what --data-dir points to)."""
     return [f for f in MNIST_FILES if not os.path.exists(os.path.join(data_dir, "MNIST", "raw", f))]
 
 

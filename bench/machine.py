@@ -75,7 +75,6 @@ def machine_tag(gpu_names):
 
 
 def environment(repo, gpus_used):
-    """The environment record (env.json): this machine, the GPUs used, torch's report, the git commit."""
     torch_report = output_of([sys.executable, "-c", TORCH_REPORT])
     git = output_of(["git", "-C", repo, "rev-parse", "HEAD"])
     return dict(

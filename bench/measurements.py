@@ -25,14 +25,12 @@ def run_tool(tool, args, out_dir, name, gpus):
 
 
 def measure_loader(settings, out_dir):
-    """The input pipeline alone, with the sweep's data, first per-device batch and first device."""
     args = ["--batch-size", settings.per_device_batches[0], "--passes", 3] + ["--cpu"] * settings.cpu
     args += ["--synthetic"] if settings.synthetic else ["--data-dir", settings.data_dir]
     return run_tool("loader_speed", args, out_dir, "loader_speed", settings.gpus[:1])
 
 
 def measure_allreduce(settings, out_dir):
-    """{n: all-reduce of the model's gradient} for every n >= 2, with the sweep's backend and devices."""
     results = {}
     for n in [n for n in device_counts(settings.max_n) if n >= 2]:
         args = ["--nprocs", n, "--min-bytes", 4096, "--max-bytes", 4096, "--warmup", 3, "--iters", 10,

@@ -8,7 +8,6 @@ import tempfile
 
 
 def write_atomically(path, write):
-    """write(a temporary path), then one os.replace onto path."""
     tmp = f"{path}.tmp{os.getpid()}"
     write(tmp)
     os.replace(tmp, path)
@@ -23,7 +22,6 @@ def write_json(path, obj):
 
 
 def read_json(path, default=None):
-    """The JSON at path, or default when it is missing or unreadable."""
     with contextlib.suppress(OSError, ValueError):
         return json.loads(pathlib.Path(path).read_text())
     return default

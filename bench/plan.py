@@ -56,7 +56,6 @@ def device_counts(max_n):
 
 
 def unavailable_reason(name):
-    """Why a mode cannot run in this checkout and interpreter at all (None when it can)."""
     mode = MODES[name]
     if not os.path.exists(os.path.join(REPO, mode.script)):
         return "not in this checkout"

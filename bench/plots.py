@@ -38,7 +38,6 @@ def draw(path, summary, column, title, ylabel, hardware, xlabel, bars=False, sca
 
 
 def write_all(out_dir, summary, hardware, settings):
-    """Writes the plots; returns [(file, title)]."""
     xlabel = "n (processes on the CPU)" if settings.cpu else "n (GPUs)"
     hardware += " - synthetic data" if settings.synthetic else ""
     target = f"{settings.target_acc:.2%}"

@@ -31,7 +31,6 @@ LIMIT_VIEW = dict(variant="variant", mode="mode", n="n", per_device_batch="B", s
 
 
 def read_and_summarize(out_dir):
-    """runs.csv, and its summary, written to summary.csv."""
     runs = pd.read_csv(os.path.join(out_dir, "runs.csv"), keep_default_na=False, na_values=[""])
     records = [read_json(os.path.join(out_dir, path), {}) for path in runs["metrics_path"]]
     runs["held_mib"] = [max(r.get("bytes_per_rank") or [math.nan]) / 2**20 for r in records]  # 08's fullest rank
@@ -59,7 +58,6 @@ def summarize(runs):
 
 
 def versus(summary, chosen, reference, on):
-    """The rows chosen next to their reference rows (equal in the columns `on`): ratios of speed and wall time."""
     table = summary[chosen].merge(summary[reference][on + ["samples_per_s", "wall_s", "test_accuracy"]], on=on,
                                   suffixes=("", "_ref"))
     table["speed_ratio"] = table["samples_per_s"] / table["samples_per_s_ref"]
@@ -106,13 +104,11 @@ def markdown(frame, view, hide=()):
 
 
 def comparison(block, table, reference, hide, **values):
-    """The template's block with the table of rows against their reference rows (03, or the base sweep)."""
     view = {c: h.format(reference) for c, h in VERSUS_VIEW.items()}
     return [BLOCKS[block].format(table=markdown(table, view, hide), **values)] if len(table) else []
 
 
 def comparisons(summary, settings, hide):
-    """06 and 07 against 03 at the same n and batch; the variants against the base sweep."""
     blocks, ddp = [], summary["mode"] == "ddp_launch"
     for mode in ("ddp_fault_tolerant", "lightning"):
         table = versus(summary, summary["mode"] == mode, ddp, ["variant", "per_device_batch", "n"])
@@ -145,18 +141,15 @@ def loader_line(env, summary):
 
 
 def head(env, summary, settings):
-    """The title, the batch-size rules, the settings and the loader line."""
-    data = BLOCKS["synthetic"] if settings.synthetic else BLOCKS["mnist"].format(data_dir=settings.data_dir)
-    per_process = ", ".join(m.script[:2] for m in MODES.values() if m.launch not in ("python", "dp"))
     return BLOCKS["head"].format(
-        hardware=env["hardware"], devices="processes" if settings.cpu else "GPUs", per_process=per_process,
+        hardware=env["hardware"], devices="processes" if settings.cpu else "GPUs", loader=loader_line(env, summary),
+        per_process=", ".join(m.script[:2] for m in MODES.values() if m.launch not in ("python", "dp")),
         per_device_batches=", ".join(map(str, settings.per_device_batches)), epochs=settings.epochs,
-        steps=settings.max_steps or "all", test_batch_size=settings.test_batch_size,
-        target_acc=settings.target_acc, data=data, loader=loader_line(env, summary))
+        steps=settings.max_steps or "all", test_batch_size=settings.test_batch_size, target_acc=settings.target_acc,
+        data=BLOCKS["synthetic"] if settings.synthetic else BLOCKS["mnist"].format(data_dir=settings.data_dir))
 
 
 def write_report(out_dir, runs, summary, env, settings, left_out, plots):
-    """report.md: readable on its own: tables, plots, failed runs, the environment and every command."""
     hide = {c for c in ("variant", "per_device_batch") if summary[c].nunique() <= 1}
     blocks = [head(env, summary, settings)] + [BLOCKS["summary"].format(per_device_batch=b, table=markdown(
         summary[summary["per_device_batch"] == b], SUMMARY_VIEW, hide)) for b in settings.per_device_batches]

@@ -12,6 +12,7 @@ report.md, plots, logs/, metrics/ under --out. Exit status 0: every run finished
 arguments (nothing run), 130: Ctrl-C (then --resume).
 """
 import argparse
+import itertools
 import os
 import shlex
 import signal
@@ -49,7 +50,6 @@ def at_least(low, kind=int):
 
 
 def int_list(text):
-    """Distinct non-negative integers, comma-separated: "0,1,2" or "64,512"."""
     values = [int(v) for v in text.split(",")]
     if len(set(values)) != len(values) or min(values) < 0:
         raise argparse.ArgumentTypeError(f"expected distinct numbers such as 0,1,2, got {text!r}")
@@ -67,7 +67,6 @@ def mode_list(text):
 
 
 def variant(text):
-    """(name, script flags) from NAME="FLAGS": the whole sweep again, these flags added to every run."""
     name, sep, flags = text.strip().partition("=")
     if not sep or not name.isidentifier() or name == "base":
         raise argparse.ArgumentTypeError(f"expected NAME=\"FLAGS\", NAME of letters, digits and _ (not base), "
@@ -134,14 +133,11 @@ def default_out(label, resume):
     overwrites one (the repository's own included); with --resume, the last that holds one."""
     def folder(i):
         return os.path.join(RESULTS, label if i == 1 else f"{label}-{i}")
-    i = 1
-    while os.path.exists(os.path.join(folder(i), "runs.csv")):
-        i += 1
+    i = next(i for i in itertools.count(1) if not os.path.exists(os.path.join(folder(i), "runs.csv")))
     return folder(max(1, i - 1) if resume else i)
 
 
 def earlier_runs(out_dir, settings, earlier_settings):
-    """The ok rows of an earlier attempt at the same sweep (with these settings), by run id, for --resume."""
     if not os.path.exists(os.path.join(out_dir, "runs.csv")):
         return {}
     diff = sorted(k for k, v in settings.comparable().items() if earlier_settings.get(k) != v)

@@ -43,7 +43,6 @@ def status(code, timed_out, record, settings):
 
 
 def run_one(run, settings, out_dir):
-    """Run one benchmark run and return its runs.csv row (never raises for a failed run)."""
     metrics = os.path.join(out_dir, "metrics", f"{run.run_id}.json")
     snapshots = os.path.join(out_dir, f"snapshot-{run.run_id}")  # 06's, deleted after the run
     pathlib.Path(metrics).unlink(missing_ok=True)  # a redone run must never report or resume an earlier attempt

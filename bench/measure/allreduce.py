@@ -22,7 +22,6 @@ FP32_BYTES = 4
 
 
 def time_size(nbytes, device, args):
-    """The row of nbytes: the median over --iters of the slowest rank's time for one all-reduce, its bandwidths."""
     import torch
     import torch.distributed as dist
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device: None)
@@ -45,7 +44,6 @@ def time_size(nbytes, device, args):
 
 
 def worker(rank, args, params):
-    """One rank: join the group, time every size; rank 0 reports."""
     import torch
     import torch.distributed as dist
     device = torch.device("cpu") if args.cpu else torch.device("cuda", rank)

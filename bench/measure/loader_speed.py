@@ -18,7 +18,6 @@ REQUIRED_RATIO = 50  # loader samples/s over training samples/s
 
 
 def loader_pass(m01, data, sampler, epoch, batch_size, device, warmup):
-    """Samples/s of one epoch of 01's batches(): each batch taken on the device, nothing else."""
     sampler.set_epoch(epoch)
     samples, t0 = 0, None
     for i, (images, labels) in enumerate(m01.batches(data, list(sampler), batch_size)):
