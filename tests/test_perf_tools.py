@@ -1,5 +1,4 @@
 """The measurement tools in bench/measure/ (loader_speed, allreduce), run as a user runs them."""
-import argparse
 import json
 import subprocess
 import sys
@@ -70,11 +69,12 @@ def test_a_tool_refuses_an_unwritable_json_path_before_measuring(tmp_path):
     assert out.returncode == 2 and "cannot write" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_the_tools_try_their_json_path_as_the_scripts_do(tmp_path):
-    """Under a file, in a folder no one may write in (root too), or a folder itself: refused, nothing left."""
-    from bench.outputs import json_path
+@pytest.mark.parametrize("tool", ["allreduce", "loader_speed"])
+def test_the_tools_try_their_json_path_as_the_scripts_do(tool, tmp_path):
+    """With 01's own check: under a file, in a folder no one may write in (root too), or a folder itself."""
     (tmp_path / "a-file").write_text("kept")
     for path in [tmp_path / "a-file" / "m.json", "/proc/m.json", tmp_path]:
-        with pytest.raises(argparse.ArgumentTypeError, match="cannot write"):
-            json_path(str(path))
+        out = subprocess.run([sys.executable, "-m", f"bench.measure.{tool}", "--json", path], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "cannot write" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["a-file"] and (tmp_path / "a-file").read_text() == "kept"

@@ -11,7 +11,7 @@ import argparse
 import statistics
 import sys
 
-from bench.outputs import json_path, write_json
+from bench.outputs import write_json
 from bench.scripts import load_script
 
 REQUIRED_RATIO = 50  # loader samples/s over training samples/s
@@ -28,15 +28,15 @@ def loader_pass(m01, data, sampler, epoch, batch_size, device, warmup):
 
 
 def main(argv=None):
+    m01 = load_script()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default="data", help="torchvision's MNIST folder (as 01's --data-dir)")
     p.add_argument("--synthetic", action="store_true", help="random MNIST-shaped data (as 01's --synthetic)")
     p.add_argument("--cpu", action="store_true", help="ignore GPUs")
     p.add_argument("--batch-size", type=int, default=64, help="01's --batch-size (default 64)")
     p.add_argument("--passes", type=int, default=5, help="timed epochs; the median counts (default 5)")
-    p.add_argument("--json", type=json_path, metavar="PATH", help="write the results here")
+    p.add_argument("--json", type=m01.writable, metavar="PATH", help="write the results here (checked as 01 does)")
     args = p.parse_args(argv)
-    m01 = load_script()
     a = m01.parse_args(["--batch-size", str(args.batch_size), "--data-dir", args.data_dir]
                        + ["--synthetic"] * args.synthetic + ["--cpu"] * args.cpu)  # what a run of 01 sees
     device = m01.setup(a).device  # 01's device, and its threads
