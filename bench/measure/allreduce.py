@@ -85,7 +85,8 @@ def main(argv=None):
     p.add_argument("--max-bytes", type=int, default=64 << 20, help="largest message (default 64 MiB)")
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations per size (default 5)")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per size; the median counts (default 20)")
-    p.add_argument("--json", type=load_script().writable, metavar="PATH", help="rank 0 writes the results here, env.json beside it")
+    p.add_argument("--json", type=load_script().writable, metavar="PATH",
+                   help="rank 0 writes the results here, env.json beside it")
     p.add_argument("--no-env", action="store_true", help="no env.json beside --json (the harness writes its own)")
     args = p.parse_args(argv)
     params = sum(param.numel() for param in load_script().Net().parameters())  # built once: the ranks need torch only
