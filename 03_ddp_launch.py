@@ -136,7 +136,7 @@ def load_mnist(args, train):
 def batches(data, indices, batch_size):
     """Batches sliced from tensors on the device: no step waits for the host or a DataLoader."""
     images, labels = data
-    index = torch.tensor(list(indices), device=images.device)
+    index = torch.tensor(list(indices), dtype=torch.long, device=images.device)  # empty too
     for batch in index.split(batch_size):
         yield images[batch], labels[batch]
 
@@ -144,7 +144,7 @@ def batches(data, indices, batch_size):
 def train_epoch(model, train_batches, optimizer, args, world, epoch):
     """One epoch of training; returns the mean training loss."""
     model.train()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=world.device)
+    loss_sum = torch.zeros((), device=world.device)  # float32: MPS has no float64
     for step, (images, labels) in enumerate(train_batches):
         optimizer.zero_grad(set_to_none=True)
         output = model(images)

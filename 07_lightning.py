@@ -167,7 +167,7 @@ def load_mnist(args, train):
 def batches(data, indices, batch_size):
     """Batches sliced from tensors on the device: no step waits for the host or a DataLoader."""
     images, labels = data
-    index = torch.tensor(list(indices), device=images.device)
+    index = torch.tensor(list(indices), dtype=torch.long, device=images.device)  # empty too
     for batch in index.split(batch_size):
         yield images[batch], labels[batch]
 
@@ -233,7 +233,7 @@ class MNISTModule(L.LightningModule):  # Lightning: 03's train_epoch, evaluate a
         return Batches(self.train_data, order, self.args.batch_size)
 
     def on_train_epoch_start(self):  # Lightning
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.world.device)
+        self.loss_sum = torch.zeros((), device=self.world.device)  # float32: MPS has no float64
 
     def training_step(self, batch, batch_idx):
         images, labels = batch  # already on the device

@@ -101,7 +101,7 @@ def test_only_rank_zero_prints_epoch_lines(same_batch_runs):
 
 LAUNCHES = {  # world size: how 03 is started
     1: lambda args: script_command("03_ddp_launch.py", *args, nprocs=1),
-    # The deprecated launcher, as 03's docstring shows it (--use-env: no --local-rank argument).
+    # The deprecated launcher (--use-env: no --local-rank argument).
     2: lambda args: [sys.executable, "-m", "torch.distributed.launch", "--use-env", "--nproc_per_node", "2",
                      str(ROOT / "03_ddp_launch.py"), *map(str, args)],
     3: lambda args: script_command("03_ddp_launch.py", *args, nprocs=3),  # 3 does not divide 1,000
