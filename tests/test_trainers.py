@@ -193,7 +193,7 @@ class FakeClock:
             self.step += 1
 
 
-def timed_epochs(script, clock, world, steps, epochs=1, monkeypatch=None):
+def timed_epochs(script, clock, world, steps, monkeypatch, epochs=1):
     """The script's timed() over `steps` batches of 4 images per epoch, each step timed by clock."""
     module = load_script(script)
     monkeypatch.setattr(module, "clock", clock)
