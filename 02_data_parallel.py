@@ -236,15 +236,11 @@ def write_record(path, args, world, epochs):
     totals = {key: sum(e[key] for e in epochs)
               for key in ["steps", "train_samples", "steady_samples", "steady_time_s"]}
     record = dict(
-        schema=1,
-        script=os.path.basename(__file__),
-        mode=MODE,
+        schema=1, script=os.path.basename(__file__), mode=MODE,
         device_type=device.type,
         device_names=[torch.cuda.get_device_name(d) if d.type == "cuda" else d.type
                       for d in world.devices],  # DP: each replica's
-        world_size=world.world_size,
-        nodes=world.nodes,
-        backend=world.backend,
+        world_size=world.world_size, nodes=world.nodes, backend=world.backend,
         threads=torch.get_num_threads(),
         per_device_batch=args.batch_size / world.world_size,  # DP: the batch is split
         global_batch=args.batch_size,

@@ -7,6 +7,7 @@ HOST is node 0's address, PORT open there. Under SLURM, slurm/multinode.sbatch p
 import argparse
 import json
 import os
+import socket  # multinode
 import sys
 import tempfile
 import time
@@ -97,8 +98,11 @@ def parse_args(argv=None):
                    default=int(os.environ.get("MASTER_PORT", 29500)))  # spawn: where they meet
     try:
         args = p.parse_args(argv)  # spawn: then checked against this machine's GPUs
+        socket.getaddrinfo(args.master_addr, args.master_port)  # multinode: not at the timeout
     except argparse.ArgumentError as e:
         sys.exit(f"error: {e}")  # one line on stderr, exit status 1, as every bad input here
+    except socket.gaierror as e:  # multinode: a typo would wait for the rendezvous timeout
+        sys.exit(f"error: --master-addr {args.master_addr}: {e.strerror}")
     if args.nr >= args.nodes:  # multinode: the nodes are numbered from 0
         sys.exit(f"error: --nr {args.nr} is outside 0..{args.nodes - 1}")
     gpus = 0 if args.cpu else torch.accelerator.device_count()  # spawn: checked once, here
@@ -110,8 +114,7 @@ def parse_args(argv=None):
 def setup(args):
     """Where this process trains (an accelerator if there is one), and that it is the main one."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # spawn: by worker()
-    local_rank = int(os.environ["LOCAL_RANK"])  # DDP: its number, and how many, on its machine
-    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    local_rank, per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])  # DDP
     accelerator = torch.accelerator.current_accelerator(check_available=True)  # CUDA, MPS, XPU...
     device = torch.device("cpu") if args.cpu or accelerator is None else accelerator
     if device.type == "mps":  # DDP: no backend takes MPS tensors today
@@ -123,9 +126,10 @@ def setup(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     backend = dist.get_default_backend_for_device(device)  # DDP: gloo for the CPU, nccl for CUDA
+    backend = backend if dist.is_backend_available(backend) else "gloo"  # Windows: no NCCL
     dist.init_process_group(backend, device_id=None if device.type == "cpu" else device)
     return SimpleNamespace(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
-                           nodes=world_size // local_world_size, backend=backend, is_main=rank == 0)
+                           nodes=world_size // per_node, backend=backend, is_main=rank == 0)
 
 
 def load_mnist(args, train):
@@ -273,14 +277,10 @@ def write_record(path, args, world, epochs):
     totals = {key: sum(e[key] for e in epochs)
               for key in ["steps", "train_samples", "steady_samples", "steady_time_s"]}
     record = dict(
-        schema=1,
-        script=os.path.basename(__file__),
-        mode=MODE,
+        schema=1, script=os.path.basename(__file__), mode=MODE,
         device_type=device.type,
         device_names=[torch.cuda.get_device_name() if device.type == "cuda" else device.type],
-        world_size=world.world_size,
-        nodes=world.nodes,
-        backend=world.backend,
+        world_size=world.world_size, nodes=world.nodes, backend=world.backend,
         threads=torch.get_num_threads(),
         per_device_batch=args.batch_size,
         global_batch=args.batch_size * world.world_size,

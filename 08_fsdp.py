@@ -103,16 +103,15 @@ def setup(args):
     if "RANK" not in os.environ:  # DDP: torchrun tells each process who it is
         sys.exit(f"error: start me with torchrun --standalone --nproc_per_node N {__file__}")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP: of all
-    local_rank = int(os.environ["LOCAL_RANK"])  # DDP: its number, and how many, on its machine
-    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    local_rank, per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])  # DDP
     accelerator = torch.accelerator.current_accelerator(check_available=True)  # CUDA, MPS, XPU...
     device = torch.device("cpu") if args.cpu or accelerator is None else accelerator
     if device.type == "mps":  # DDP: no backend takes MPS tensors today
         print("DDP cannot use MPS: training on the CPU", file=sys.stderr)
         device = torch.device("cpu")
     if device.type != "cpu":  # DDP: one GPU per process, the current device for collectives
-        if local_world_size > torch.accelerator.device_count():
-            sys.exit(f"error: {local_world_size} processes on this machine but "
+        if per_node > torch.accelerator.device_count():
+            sys.exit(f"error: {per_node} processes on this machine but "
                      f"{torch.accelerator.device_count()} GPU(s): start fewer, or add --cpu to try "
                      "DDP on the CPU")
         device = torch.device(device.type, local_rank)
@@ -120,9 +119,10 @@ def setup(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     backend = dist.get_default_backend_for_device(device)  # DDP: gloo for the CPU, nccl for CUDA
+    backend = backend if dist.is_backend_available(backend) else "gloo"  # Windows: no NCCL
     dist.init_process_group(backend, device_id=None if device.type == "cpu" else device)
     return SimpleNamespace(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
-                           nodes=world_size // local_world_size, backend=backend, is_main=rank == 0)
+                           nodes=world_size // per_node, backend=backend, is_main=rank == 0)
 
 
 def load_mnist(args, train):
@@ -280,14 +280,10 @@ def write_record(path, args, world, epochs):
     totals = {key: sum(e[key] for e in epochs)
               for key in ["steps", "train_samples", "steady_samples", "steady_time_s"]}
     record = dict(
-        schema=1,
-        script=os.path.basename(__file__),
-        mode=MODE,
+        schema=1, script=os.path.basename(__file__), mode=MODE,
         device_type=device.type,
         device_names=[torch.cuda.get_device_name() if device.type == "cuda" else device.type],
-        world_size=world.world_size,
-        nodes=world.nodes,
-        backend=world.backend,
+        world_size=world.world_size, nodes=world.nodes, backend=world.backend,
         threads=torch.get_num_threads(),
         per_device_batch=args.batch_size,
         global_batch=args.batch_size * world.world_size,

@@ -38,6 +38,8 @@ FLAGS = {
     "gpus per node 0": ("05_multinode_mnist.py", ["-g", "0"], "--gpus"),
     "node rank outside": ("05_multinode_mnist.py", ["-n", "2", "--nr", "2"], "outside 0..1"),
     "port not a port": ("04_ddp_spawn.py", ["--master-port", "70000"], "argument --master-port"),
+    "master address that does not resolve": ("05_multinode_mnist.py", ["--master-addr", "no-such-host.invalid"],
+                                             "--master-addr no-such-host.invalid"),  # not a wait of minutes
     "negative snapshot interval": ("06_fault_tolerant.py", ["--snapshot-every", "-1"], "--snapshot-every"),
     "timeout 0": ("06_fault_tolerant.py", ["--timeout", "0"], "--timeout"),
     "timeout not a number": ("06_fault_tolerant.py", ["--timeout", "nan"], "--timeout"),

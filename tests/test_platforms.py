@@ -125,6 +125,18 @@ def test_ddp_takes_nccl_for_cuda_one_gpu_per_process_and_gloo_for_the_cpu(name, 
     assert groups[-1] == ("gloo", None)
 
 
+@pytest.mark.parametrize("name", LAUNCHED + list(SPAWNING))
+def test_ddp_on_cuda_without_nccl_as_on_windows_takes_gloo_on_the_gpu(name, stand_in, groups, monkeypatch):
+    """PyTorch for Windows has no NCCL; gloo takes CUDA tensors, so DDP still trains on the GPU."""
+    monkeypatch.setattr(dist, "is_backend_available", lambda backend: backend != "nccl")
+    stand_in("cuda", count=1)
+    launched(monkeypatch)
+    script = load_script(name)
+    world = script.setup(script.parse_args([]))
+    assert (world.device, world.backend) == (torch.device("cuda", 0), "gloo")
+    assert groups == [("gloo", torch.device("cuda", 0))]
+
+
 @pytest.mark.parametrize("kind", ["cuda", "xpu"])
 @pytest.mark.parametrize("name", LAUNCHED)
 def test_more_processes_than_gpus_are_refused_in_one_line_before_the_process_group(name, kind, stand_in, groups,
