@@ -1,7 +1,9 @@
-"""What the README teaches is kept true: its excerpts and the diffs in docs/diffs/ are current, every link, path and
-test name it cites exists, the scripts share their common parts word for word, and what it says of PyTorch itself
-(the legacy launcher, the backends' messages, Lightning 2, the sampler's padding) holds for the installed version.
-(The SLURM batch script is run by a real scheduler: test_slurm.py.)"""
+"""What the README teaches is kept true: it reads top to bottom within 350 lines (each word defined before its use,
+its sections in a learner's order, maintainer material in docs/maintainers.md), its excerpts and the diffs in
+docs/diffs/ are current, every link, path and test name the docs cite exists, the scripts share their common parts
+word for word, and what it says of PyTorch itself (the legacy launcher, the backends' messages, Lightning 2, the
+sampler's padding) holds for the installed version. (The SLURM batch script is run by a real scheduler:
+test_slurm.py; the README's DDP claims and common errors: test_readme_claims.py.)"""
 import argparse
 import ast
 import re
@@ -31,6 +33,17 @@ TOOL = ROOT / "tools" / "script_diffs.py"
 # The Markdown a reader is sent to; docs/diffs/ is generated and checked by the tool.
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "results" / "README.md"]
 TOP_LEVEL = {"bench", "tests", "slurm", "docs", "results", "tools", ".ci"}
+README = ROOT / "README.md"
+MAINTAINERS = ROOT / "docs" / "maintainers.md"
+README_LINES = 350
+# A learner's order: the words, why DDP, the scripts, the reader's machine, the errors, the posts, the benchmark,
+# then the way on. Each a prefix of a heading.
+SECTIONS = ["Words you will meet", "Why DDP", "Set-up", "The scripts", "Running on the machine you have",
+            "Common errors", "Coming from the blog posts", "Benchmark your machine", "Under SLURM", "Copying",
+            "The way on"]
+# Words a learner meets, each defined in "Words you will meet" (as *word*) before the README uses it anywhere else.
+WORDS = ["rank", "world size", "local rank", "node rank", "collective", "broadcast", "all-reduce", "barrier",
+         "backend", "process group", "store", "rendezvous", "launcher", "bucket", "global batch", "replica"]
 
 
 def definitions(script):
@@ -174,7 +187,7 @@ def test_every_test_the_docs_cite_exists():
     record_keys = set(re.findall(r"\b(test_\w+)=", (ROOT / SCRIPTS[0]).read_text()))  # test_loss and the like
     cited = [(page, name, case) for page in PAGES
              for name, case in re.findall(r"`(test_\w+)(?:\[([^\]`]+)\])?`", prose(page)) if name not in record_keys]
-    assert cited, "the README cites no test"
+    assert cited, "the docs cite no test"
     missing = [f"{page.relative_to(ROOT)}: {name}" + (f"[{case}]" if case else "") for page, name, case in cited
                if name not in tests or (case and f'"{case}"' not in tests[name])]
     assert not missing, missing
@@ -233,3 +246,32 @@ def test_pitfall_distributed_sampler_pads_the_test_set():
     """Why the scripts shard the test set themselves: DistributedSampler repeats images to even out the shards."""
     counted = sum(len(DistributedSampler(range(TEST_IMAGES), num_replicas=3, rank=r, shuffle=False)) for r in range(3))
     assert counted == TEST_IMAGES + 2
+
+
+def test_the_readme_reads_top_to_bottom_within_350_lines():
+    text = README.read_text()
+    assert len(text.splitlines()) <= README_LINES, f"README.md: {len(text.splitlines())} lines"
+    headings = re.findall(r"^## (.+)$", prose(README), re.M)
+    order = [next((i for i, h in enumerate(headings) if h.startswith(s)), None) for s in SECTIONS]
+    assert None not in order and order == sorted(order), list(zip(SECTIONS, order))
+    glossary = text.index("## Words you will meet")
+    glossary_end = text.index("\n## ", glossary + 1)
+    for word in WORDS:
+        defined = text.find(f"*{word[0].upper()}{word[1:]}*", glossary, glossary_end)
+        defined = defined if defined >= 0 else text.find(f"*{word}*", glossary, glossary_end)
+        assert defined >= 0, f"{word!r} is not defined in Words you will meet"
+        first = re.search(rf"(?<![\w-]){re.escape(word)}(?![\w-])", prose(README), re.I)
+        used = text.find(first.group(0)) if first else -1
+        assert used == -1 or used >= glossary, f"{word!r} is used before Words you will meet"
+        earlier = re.search(rf"(?<![\w-]){re.escape(word)}(?![\w-])", text[glossary:defined], re.I)
+        assert not earlier, f"{word!r} is used in Words you will meet before it is defined"
+
+
+def test_maintainer_material_lives_in_docs_maintainers_linked_once():
+    readme = prose(README)
+    cited = re.findall(r"`(test_\w+)", readme)
+    assert not cited, f"README.md cites tests (their place is docs/maintainers.md): {cited}"
+    assert readme.count("](docs/maintainers.md)") == 1
+    maintainers = MAINTAINERS.read_text()
+    assert "tools/script_diffs.py" in maintainers and "## Checklist" in maintainers
+    assert "test_the_readme_reads_top_to_bottom_within_350_lines" in maintainers
