@@ -7,6 +7,8 @@ matplotlib.use("Agg")  # files only: works on machines without a display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bench.outputs import write_atomically  # noqa: E402
+from bench.plan import ideal_speedup  # noqa: E402
+from bench.report import shares_cores  # noqa: E402
 from bench.scripts import MODES  # noqa: E402
 
 
@@ -42,12 +44,15 @@ def write_all(out_dir, summary, hardware, settings):
     hardware += " - synthetic data" if settings.synthetic else ""
     target = f"{settings.target_acc:.2%}"
     x01 = summary[(summary["mode"] == "single") & (summary["n"] == 1) & (summary["variant"] == "base")]
-    ideal = {f"ideal: n x 01 [B={b}]": (lambda n, x=x: n * x)
+    shared = shares_cores(summary).any()  # as the summary's E(n): the same rule, the same reference
+    reference = "1 x 01: n processes share 01's cores" if shared else "n x 01"
+    ideal = {f"ideal: {reference} [B={b}]": (lambda n, x=x: ideal_speedup(n, shared) * x)
              for b, x in zip(x01["per_device_batch"], x01["samples_per_s"])}
+    efficiency = "X(n) / X(01), n processes on 01's cores" if shared else "X(n) / (n X(01))"
     full = summary.loc[(summary["mode"] == "fsdp") & (summary["n"] == 1), "held_mib"].max()
     plots = [("throughput.png", "Training throughput", "samples_per_s", "throughput (samples/s, all devices)",
               dict(ideal=ideal)),
-             ("efficiency.png", "Scaling efficiency E(n) = X(n) / (n X(01))", "efficiency", "efficiency (%)",
+             ("efficiency.png", f"Scaling efficiency E(n) = {efficiency}", "efficiency", "efficiency (%)",
               dict(scale=100, ideal={"ideal (100%)": lambda n: 100}, empty="no 01 at n = 1: no baseline")),
              ("time_to_target.png", f"Time to {target} test accuracy (training time)", "time_to_target_s",
               "time to target (s)", dict(bars=True, empty=f"no run reached {target} (synthetic data cannot)")),

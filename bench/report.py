@@ -7,12 +7,13 @@ import re
 import pandas as pd
 
 from bench.outputs import read_json, write_atomically, write_text
+from bench.plan import ideal_speedup
 from bench.scripts import MODES
 
 BLOCKS = dict(re.findall(r"^<!-- (\w+) -->\n(.*?)\n*(?=^<!-- |\Z)",
                          pathlib.Path(__file__).with_name("report_template.md").read_text(), re.S | re.M))
 KEYS = ["variant", "per_device_batch", "mode", "n"]
-FIRSTS = ["world_size", "nodes", "global_batch", "loader_batch"]
+FIRSTS = ["world_size", "nodes", "global_batch", "loader_batch", "device_type"]
 MEDIANS = ["samples_per_s", "time_to_target_s", "test_accuracy", "test_loss", "peak_memory_bytes", "wall_s"]
 FORMATS = {"speedup": "{:.2f}x".format, "speed_ratio": "{:.2f}x".format, "wall_ratio": "{:.2f}x".format,
            "efficiency": "{:.1%}".format, "test_accuracy": "{:.2%}".format, "pct_of_limit": "{:.0%}".format,
@@ -46,13 +47,23 @@ def with_01(frame, summary):
     return frame.merge(x01, on=["variant", "per_device_batch"], how="left")
 
 
+def shares_cores(frame):
+    """Per row: whether its n processes share the cores that 01 had to itself (CPU runs: cores // n threads each)."""
+    return frame["device_type"] == "cpu"
+
+
+def ideal_speedups(frame):
+    return [ideal_speedup(n, shared) for n, shared in zip(frame["n"], shares_cores(frame))]
+
+
 def summarize(runs):
-    """Median of the ok runs per (variant, per-device batch, mode, n); E(n) = X(n) / (n X(01 at n = 1))."""
+    """Median of the ok runs per (variant, per-device batch, mode, n); E(n) = X(n) / (ideal speed-up x X(01))."""
     groups = runs[runs["status"] == "ok"].groupby(KEYS, sort=False)
     summary = groups[FIRSTS].first().join(groups[MEDIANS].median()).assign(runs=groups.size()).reset_index()
     summary = with_01(summary.reindex(columns=KEYS + ["runs"] + FIRSTS + MEDIANS), summary)
     summary["speedup"] = summary["samples_per_s"] / summary.pop("x01")
-    summary["efficiency"] = summary["speedup"] / summary["n"]
+    summary["ideal_speedup"] = ideal_speedups(summary)
+    summary["efficiency"] = summary["speedup"] / summary["ideal_speedup"]
     return summary.sort_values(["variant", "per_device_batch", "n", "mode"], ignore_index=True,
                                key=lambda c: c.map(list(MODES).index) if c.name == "mode" else c)
 
@@ -76,7 +87,7 @@ def limit_model(summary, allreduce_s):
     """Each multi-device row against its limit (the model is explained in the template's limit block)."""
     rows = with_01(summary[summary["mode"] != "single"], summary).dropna(subset=["x01"])
     per_device_batch, n = rows["per_device_batch"], rows["n"]
-    t1 = per_device_batch / rows["x01"]
+    t1 = n * per_device_batch / (ideal_speedups(rows) * rows["x01"])  # B / X(01) on GPUs, n B / X(01) on shared cores
     t_ar = n.map(lambda k: 0.0 if k == 1 else allreduce_s.get(k, math.nan))  # NaN: not measured, no limit
     rows["t1_ms"], rows["t_ar_ms"] = 1e3 * t1, 1e3 * t_ar
     rows["x_serial"] = n * per_device_batch / (t1 + t_ar)
@@ -141,11 +152,14 @@ def loader_line(env, summary):
 
 
 def head(env, summary, settings):
+    reference = BLOCKS["reference_shared_cores" if shares_cores(summary).any() else "reference_gpus"]
     return BLOCKS["head"].format(
         hardware=env["hardware"], devices="processes" if settings.cpu else "GPUs", loader=loader_line(env, summary),
+        reference=reference.format(cores=settings.cores),
         per_process=", ".join(m.script[:2] for m in MODES.values() if m.launch not in ("python", "dp")),
         per_device_batches=", ".join(map(str, settings.per_device_batches)), epochs=settings.epochs,
-        steps=settings.max_steps or "all", test_batch_size=settings.test_batch_size, target_acc=settings.target_acc,
+        steps=settings.max_steps or "all", per_n=BLOCKS["steps_at_every_n"] if settings.max_steps else "",
+        test_batch_size=settings.test_batch_size, target_acc=settings.target_acc,
         data=BLOCKS["synthetic"] if settings.synthetic else BLOCKS["mnist"].format(data_dir=settings.data_dir))
 
 

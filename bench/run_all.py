@@ -29,7 +29,8 @@ from bench.scripts import MODES, REPO  # noqa: E402
 
 RESULTS = os.path.join(REPO, "results")  # each machine's sweeps: results/<label>, then <label>-2, -3...
 
-DEFAULTS = dict(gpu=dict(epochs=3, max_steps=0), cpu=dict(epochs=1, max_steps=150, processes=2))
+# On the CPU 4 short epochs: 01 reaches 98% by the 4th (98.2% on real MNIST), time to target gets 4 points.
+DEFAULTS = dict(gpu=dict(epochs=3, max_steps=0), cpu=dict(epochs=4, max_steps=200, processes=2))
 
 
 class BadArgument(Exception):

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from conftest import ROOT, TORCHRUN, load_script, script_command
-from bench import plan, report, run_all, runs_table
+from bench import plan, plots, report, run_all, runs_table
 from bench.commands import commands
 from bench.scripts import MODES
 
@@ -162,14 +162,15 @@ def test_cuda_visible_devices_set_by_the_user_chooses_the_gpus_and_gpus_counts_w
     assert not list(tmp_path.iterdir())
 
 
-def hand_made_summary():
+def hand_made_summary(device_type="cuda"):
     """01 trains 1,000 samples/s with B = 64 (t1 = 64 ms); variant "fast" doubles 01; its DDP at n = 2 gains 2/3."""
     rows = [("base", "single", 1, 1000, 0.50, 10), ("base", "dp", 1, 900, 0.50, 11),
             ("base", "ddp_launch", 2, 1500, 0.50, 12), ("base", "ddp_spawn", 4, 2000, 0.50, 13),
             ("base", "ddp_fault_tolerant", 2, 1200, 0.50, 18), ("base", "lightning", 2, 1000, 0.50, 24),
             ("fast", "single", 1, 2000, 0.52, 9), ("fast", "ddp_launch", 2, 2500, 0.49, 10)]
     return pd.DataFrame([dict(variant=v, per_device_batch=64, mode=m, n=n, samples_per_s=float(x),
-                              test_accuracy=a, wall_s=float(w)) for v, m, n, x, a, w in rows])
+                              test_accuracy=a, wall_s=float(w), device_type=device_type)
+                         for v, m, n, x, a, w in rows])
 
 
 def test_limit_model_sets_each_run_against_compute_and_all_reduce_time():
@@ -209,6 +210,67 @@ def test_efficiency_compares_each_batch_with_01_at_the_same_batch():
     summary = report.summarize(runs).set_index(["per_device_batch", "mode"])
     assert summary.loc[(64, "ddp_launch"), "efficiency"] == pytest.approx(0.75)
     assert summary.loc[(512, "ddp_launch"), "efficiency"] == pytest.approx(1.0)
+
+
+def one_01_and_ddp_at_2(device_type):
+    """The issue's sweep on a quiet 2-core machine: 01 2,316 samples/s, DDP at n = 2 2,388 (one thread each)."""
+    rows = [("single", 1, 2316.0), ("ddp_launch", 2, 2388.0)]
+    runs = pd.DataFrame([dict(variant="base", per_device_batch=64, mode=m, n=n, samples_per_s=x, status="ok",
+                              device_type=device_type) for m, n, x in rows])
+    return report.summarize(runs.reindex(columns=runs_table.COLUMNS)).set_index("mode")
+
+
+def test_on_the_cpu_efficiency_compares_with_01_on_the_same_shared_cores():
+    """n CPU processes share the cores 01 had alone: E(n) = X(n) / X(01) (103%, not 51%); n GPUs: X(n) / (n X(01))."""
+    cpu, gpu = one_01_and_ddp_at_2("cpu"), one_01_and_ddp_at_2("cuda")
+    assert cpu.loc["ddp_launch", "ideal_speedup"] == 1 and gpu.loc["ddp_launch", "ideal_speedup"] == 2
+    assert cpu.loc["ddp_launch", "efficiency"] == pytest.approx(2388 / 2316)
+    assert gpu.loc["ddp_launch", "efficiency"] == pytest.approx(2388 / (2 * 2316))
+    assert cpu.loc["ddp_launch", "speedup"] == gpu.loc["ddp_launch", "speedup"] == pytest.approx(2388 / 2316)
+    limits = report.limit_model(hand_made_summary("cpu"), {2: 0.032}).set_index(["variant", "mode", "n"])
+    assert limits.loc[("base", "ddp_launch", 2), "t1_ms"] == pytest.approx(2 * 64)  # n x B on 01's 1,000/s
+    assert limits.loc[("base", "ddp_launch", 2), "x_overlap"] == pytest.approx(1000)
+
+
+@pytest.mark.parametrize("device_type, reference, title", [
+    ("cpu", "1 x 01: n processes share 01's cores", "X(n) / X(01), n processes on 01's cores"),
+    ("cuda", "n x 01", "X(n) / (n X(01))")])
+def test_the_plots_ideal_line_and_the_reports_text_say_which_reference(monkeypatch, device_type, reference, title):
+    """The ideal line of throughput.png is the summary's reference: flat at 01 on shared cores, n x 01 on GPUs."""
+    drawn = {}
+    monkeypatch.setattr(plots, "draw", lambda path, summary, column, title, *a, **options: drawn.setdefault(
+        os.path.basename(path), (title, options)))
+    summary = one_01_and_ddp_at_2(device_type).reset_index().assign(held_mib=float("nan"))
+    settings = dataclasses.replace(gpu_settings(["0"] if device_type == "cuda" else []), max_n=2, cores=2)
+    plots.write_all("out", summary, "a machine", settings)
+    (label, line), = drawn["throughput.png"][1]["ideal"].items()
+    assert label == f"ideal: {reference} [B=64]"
+    assert line(2) == pytest.approx(2316 * (1 if device_type == "cpu" else 2))
+    assert drawn["efficiency.png"][0].endswith(title)
+    text = report.head(dict(hardware="a machine"), summary, settings)
+    assert ("**On the CPU, E(n) = X(n) / X(01), not X(n) / (n X(01))**" in text) == (device_type == "cpu")
+    assert ("E(n) = X(n) / (n X(01)): n GPUs" in text) == (device_type == "cuda")
+
+
+def test_the_default_cpu_sweep_runs_each_mode_once_in_about_7_minutes(tmp_path, monkeypatch, capsys):
+    """Without GPUs: 01 and 02 at n = 1, the process-group modes at n = 2 only (their n = 1 left out, saying why;
+    --cpu 1 runs them); the planned time of the default epochs and steps on 2 cores is at most 7 minutes."""
+    monkeypatch.setattr(run_all.machine, "gpus", lambda: [])
+    monkeypatch.setattr(run_all.machine, "cpu_cores", lambda: 2)
+    assert run_all.main(["--dry-run", "--synthetic", "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    planned = [line.split(":")[0].strip() for line in out.splitlines()
+               if line.startswith("  ") and "left out" not in line]
+    singles = [m for m in ("single", "dp") if m in AVAILABLE]
+    assert planned == [f"{m}-n1-b64-r1" for m in singles] + [f"{m}-n2-b64-r1" for m in AVAILABLE if m not in singles]
+    for mode in set(AVAILABLE) - {"single", "dp", "ddp_multinode"}:
+        assert f"left out: {MODES[mode].script} at n = 1 (a CPU sweep to n > 1" in out, mode
+    minutes = int(out.splitlines()[0].split("roughly ")[1].split(" min")[0])
+    assert minutes <= 7, out.splitlines()[0]
+    defaults = run_all.DEFAULTS["cpu"]
+    settings = dataclasses.replace(gpu_settings([]), max_n=1, **{k: defaults[k] for k in ("epochs", "max_steps")})
+    runs, _ = plan.plan(settings, MODES, [("base", [])], repeats=1)
+    assert {r.mode for r in runs} == set(AVAILABLE) - {"ddp_multinode"}  # --cpu 1: every mode at n = 1
 
 
 def test_a_gpu_sweep_counts_a_run_that_trained_on_the_cpu_as_failed():
@@ -298,7 +360,7 @@ def full_sweep(tmp_path_factory, quick_mnist_dir, fake_machine):
     (hooks / "sitecustomize.py").write_text(FAIL_01)
     args = [*SWEEP, "--data-dir", quick_mnist_dir, "--out", out]
     env = {**fake_machine, "PYTHONPATH": str(hooks)}
-    first = harness(*args, env={**env, "BENCH_TEST_FAIL_01": "1"}, timeout=900)  # 4 runs
+    first = harness(*args, env={**env, "BENCH_TEST_FAIL_01": "1"}, timeout=900)  # 3 runs
     first_runs = read_runs(out)
     second = harness(*args, "--resume", env=env)
     return first, first_runs, second, out
@@ -326,7 +388,7 @@ def test_resume_redoes_only_the_failed_run_and_the_sweep_covers_its_modes(full_s
     assert (runs["status"] == "ok").all(), runs[["run_id", "status", "error"]]
     later = runs[runs["mode"] != "single"]
     assert list(later["started_at"]) == list(first_runs[first_runs["mode"] != "single"]["started_at"])
-    expected = [("single", 1), ("ddp_fault_tolerant", 1), ("ddp_fault_tolerant", 2), ("ddp_multinode", 2)]
+    expected = [("single", 1), ("ddp_fault_tolerant", 2), ("ddp_multinode", 2)]  # 06 at n = 1: only with --cpu 1
     assert sorted(zip(runs["mode"], runs["n"])) == sorted(expected)
     assert [line.split(":")[0] for line in second.stdout.splitlines() if line.startswith("[")] == \
         [f"[1/1] single n=1 (processes) single-n1-b{B}-r1"] * 2  # progress: a start and an end line per run
@@ -350,12 +412,13 @@ def test_recorded_batches_follow_the_rules(full_sweep):
 
 @pytest.mark.slow
 def test_summary_compares_with_01_at_n_1(full_sweep):
+    """A CPU sweep: its n processes share the cores of 01, so E(n) is X(n) / X(01) at every n."""
     summary = pd.read_csv(full_sweep[3] / "summary.csv").set_index(["mode", "n"])
     base = summary.loc[("single", 1), "samples_per_s"]
     assert summary.loc[("single", 1), "efficiency"] == pytest.approx(1)
     for (mode, n), row in summary.iterrows():
         assert row["speedup"] == pytest.approx(row["samples_per_s"] / base)
-        assert row["efficiency"] == pytest.approx(row["samples_per_s"] / (n * base))
+        assert row["efficiency"] == pytest.approx(row["samples_per_s"] / base) and row["device_type"] == "cpu"
 
 
 @pytest.mark.slow
@@ -379,7 +442,7 @@ def test_sweep_writes_plots_report_environment_and_one_log_per_run(full_sweep):
     assert allreduce["backend"] == "gloo" and allreduce["world_size"] == 2, allreduce
     assert allreduce["gradient_row"]["bytes"] == 4_799_528 and allreduce["gradient_row"]["time_us"] > 0
     limits = text.split("## Limit model", 1)[1].split("\n## ", 1)[0]
-    assert "% of the limit" in limits and "optimistic" in limits
+    assert "% of the limit" in limits and "t1 = n x B / X(01)" in limits
     for mode in ("ddp_multinode", "ddp_fault_tolerant"):
         assert f"| {mode} | 2 |" in limits, mode
     assert all((out / path).stat().st_size > 0 for path in read_runs(out)["log_path"])
