@@ -1,5 +1,6 @@
 """Shared test fixtures: a small learnable MNIST in torchvision's raw layout, and running scripts as a user does."""
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,16 @@ def launcher_env(world_size=1):
     """What torchrun sets for rank 0 of world_size processes, one per node: to start a DDP script by hand."""
     return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE="1",
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+def fake_command(bin_dir, name, answers):
+    """A stand-in for a command such as nvidia-smi, first on the PATH this returns: for each argument line in
+    answers (e.g. "topo -m") its canned output, exit status 1 for any other."""
+    cases = "".join(f"  {shlex.quote(args)}) cat <<'EOF'\n{out}\nEOF\n    ;;\n" for args, out in answers.items())
+    path = Path(bin_dir) / name
+    path.write_text(f'#!/bin/sh\ncase "$*" in\n{cases}  *) exit 1 ;;\nesac\n')
+    path.chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
 
 
 # Tests see the CPU only, so that `pytest` checks the same behaviour on a GPU machine (tests marked gpu excepted).

@@ -1,0 +1,163 @@
+"""Checks of a machine before multi-GPU runs, for the doctor and the harness (standard library only): GPUs that other
+processes hold, shared memory, ports, network interfaces, and the likely cause and fix of a failure's text."""
+import os
+import shutil
+import socket
+
+from bench.machine import output_of
+
+BUSY_MIB = 256  # an idle GPU shows a few MiB (the driver's own); more means a process holds memory there
+SHM = "/dev/shm"  # Linux's shared memory; macOS and Windows have none of this name
+SHM_LOW_BYTES = 1 << 30  # DataLoader workers and NCCL's transport within a node live in it; docker gives 64 MiB
+DEFAULT_PORT = 29500  # torchrun's, and 04's and 05's --master-port unless MASTER_PORT is set
+
+# (texts any of which names the failure, its likely cause and fix), most specific first: the first match counts.
+# The texts are torch 2.14.1's, gloo's and NCCL 2.30.7's (their libraries' strings), except where marked.
+ADVICE = [
+    (("unable to find address for", "unable to find interface for", "interface found", "socket_ifname"),
+     "a network interface that GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME names does not exist or has no address: "
+     "unset them, or set both to one that `ip addr` (Windows: ipconfig) lists, e.g. lo on one machine"),
+    (("/dev/shm", "no space left on device", "bus error", "shared memory"),
+     "shared memory (/dev/shm) is too small: docker's default is 64 MiB; start the container with --shm-size=8g "
+     "or --ipc=host (DataLoader workers and NCCL within a node use it)"),
+    (("duplicate gpu detected",),  # older NCCL's; 2.30.7 no longer has the text
+     "two ranks use the same GPU: each rank must take its own (cuda:LOCAL_RANK), and CUDA_VISIBLE_DEVICES must list "
+     "at least as many GPUs as processes"),
+    (("cuda out of memory", "out of memory"),
+     "GPU memory is full: other processes may hold it (nvidia-smi shows them): stop them, choose free GPUs with "
+     "--gpus or CUDA_VISIBLE_DEVICES, or lower the batch"),
+    (("driver on your system is too old",),
+     "the NVIDIA driver is older than the CUDA this torch was built for: update the driver, or install a torch "
+     "built for an older CUDA (pytorch.org/get-started)"),
+    (("no gpus found", "no cuda gpus are available", "not compiled with cuda"),
+     "this torch sees no GPU: a CPU-only torch build, or CUDA_VISIBLE_DEVICES hides them; install a CUDA build "
+     "(pytorch.org/get-started) or run on the CPU with --cpu N"),
+    (("peer access",),
+     "GPU peer-to-peer copies fail on this machine (common in VMs, or with PCIe ACS/IOMMU on): "
+     "retry with NCCL_P2P_DISABLE=1"),
+    (("cuda failure", "unhandled cuda error"),
+     "a CUDA call inside NCCL failed, often peer-to-peer between GPUs: retry with NCCL_P2P_DISABLE=1, and "
+     "NCCL_DEBUG=INFO names the failing call"),
+    (("address already in use", "eaddrinuse"),
+     "the port is taken, by another job or a leftover process: choose another --master-port (MASTER_PORT), or "
+     "start torchrun with --standalone"),
+    (("connection refused", "trying to connect to", "failed to connect"),
+     "nothing answers at MASTER_ADDR:MASTER_PORT: rank 0 did not start or died (its log says why), or the address "
+     "or port is wrong or firewalled"),
+    (("unhandled system error", "remote process exited or there was a network error"),
+     "a system call or the network failed inside NCCL, often /dev/shm too small in a container or the wrong "
+     "network interface: rerun with NCCL_DEBUG=INFO; docker --shm-size=8g; NCCL_SOCKET_IFNAME=<interface>"),
+    (("timed out", "timing out", "timeout"),
+     "a peer never arrived or a collective hung: read the other ranks' logs; on GPUs retry with "
+     "NCCL_P2P_DISABLE=1 (peer-to-peer hangs) and NCCL_DEBUG=INFO; across machines set NCCL_SOCKET_IFNAME "
+     "and GLOO_SOCKET_IFNAME to the interface that links them"),
+    (("nccl warn",),
+     "NCCL warned (the line above says what): rerun with NCCL_DEBUG=INFO to see its transport; "
+     "NCCL_P2P_DISABLE=1 if it is peer-to-peer"),
+]
+GENERIC_ADVICE = "rerun with NCCL_DEBUG=INFO TORCH_DISTRIBUTED_DEBUG=DETAIL: the log then names the cause"
+
+
+def advice(text):
+    """The likely cause and the fix, one line, for the text of a failed collective or run (its error and log)."""
+    lowered = (text or "").lower()
+    return next((fix for needles, fix in ADVICE if any(n in lowered for n in needles)), GENERIC_ADVICE)
+
+
+def cause_line(text):
+    """The line of a log that names the failure: the last with a text of ADVICE, else the last error, else the last."""
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    named = [line for line in lines if any(n in line.lower() for needles, _ in ADVICE for n in needles)]
+    errors = [line for line in lines if "error" in line.lower()]
+    return ((named or errors or lines or [""])[-1])[:300]
+
+
+def csv_rows(argv):
+    """nvidia-smi's --format=csv,noheader,nounits rows as lists of fields; [] where it is missing or fails."""
+    return [[field.strip() for field in line.split(",")] for line in (output_of(argv) or "").splitlines()
+            if line.strip()]
+
+
+def mib(text):
+    return int(text) if text.isdigit() else None  # "[N/A]" where the driver cannot tell (Windows' WDDM mode)
+
+
+def gpu_usage(ids):
+    """{id: {"memory_used_mib", "processes": [{"pid", "name", "memory_mib"}]}} for the GPUs that ids name as
+    CUDA_VISIBLE_DEVICES does (indices or UUIDs); {} without nvidia-smi. The processes are those nvidia-smi can
+    see: another container's show only in the memory used."""
+    gpus = csv_rows(["nvidia-smi", "--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits"])
+    apps = csv_rows(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid,process_name,used_memory",
+                     "--format=csv,noheader,nounits"])
+    usage = {}
+    for index, uuid, used in (row[:3] for row in gpus if len(row) >= 3):
+        processes = [dict(pid=int(pid), name=os.path.basename(name), memory_mib=mib(memory))
+                     for gpu, pid, name, memory in (row[:4] for row in apps if len(row) >= 4)
+                     if gpu == uuid and pid.isdigit()]
+        for key in (index, uuid):
+            usage[key] = dict(memory_used_mib=mib(used), processes=processes)
+    return {i: usage[i] for i in ids if i in usage}
+
+
+def busy(usage, threshold_mib=BUSY_MIB):
+    """One line per GPU of gpu_usage() that another process holds: its memory and the processes, if visible."""
+    lines = []
+    for gpu, use in usage.items():
+        held = ", ".join(f"pid {p['pid']} {p['name']} ({p['memory_mib']} MiB)" for p in use["processes"])
+        if use["processes"] or (use["memory_used_mib"] or 0) >= threshold_mib:
+            lines.append(f"GPU {gpu}: {use['memory_used_mib']} MiB in use" + (f" by {held}" if held else
+                                                                              " (by processes not visible here)"))
+    return lines
+
+
+def shm_free_bytes():
+    """Free bytes in /dev/shm, or None where there is none (macOS, Windows)."""
+    return shutil.disk_usage(SHM).free if os.path.isdir(SHM) else None
+
+
+def port_in_use(port, host=""):
+    """Whether a server could not listen on this port now (host "": every interface, as torchrun's store does)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def interface_names():
+    """This machine's network interfaces ([] where Python cannot list them)."""
+    try:
+        return [name for _, name in socket.if_nameindex()]
+    except (AttributeError, OSError):
+        return []
+
+
+def missing_interfaces(environ=None):
+    """["GLOO_SOCKET_IFNAME=eth9", ...]: interface settings naming no interface of this machine. Gloo takes exact
+    names; NCCL prefixes unless they start with '=', and '^' excludes (then nothing is missing)."""
+    environ, names, missing = os.environ if environ is None else environ, interface_names(), []
+    for variable, exact in (("GLOO_SOCKET_IFNAME", True), ("NCCL_SOCKET_IFNAME", False)):
+        wanted = environ.get(variable, "")
+        if not names or not wanted or wanted.startswith("^"):
+            continue
+        exact = exact or wanted.startswith("=")
+        for item in wanted.lstrip("=").split(","):
+            if item and not any(name == item if exact else name.startswith(item) for name in names):
+                missing.append(f"{variable}={item}")
+    return missing
+
+
+def links(topo, ids):
+    """{link kind: GPU pairs} among the GPUs ids names, from `nvidia-smi topo -m` (NV# NVLink; PIX, PXB, PHB, NODE,
+    SYS ever farther over PCIe); every GPU where ids are UUIDs; {} where there is no matrix."""
+    matrix = {line.split()[0]: line.split()[1:] for line in topo.splitlines() if line.startswith("GPU")}
+    gpus = [name for name in matrix if name[3:].isdigit()]
+    chosen = [f"GPU{i}" for i in ids if f"GPU{i}" in matrix] if all(i.isdigit() for i in ids) else gpus
+    counts = {}
+    for a, first in enumerate(chosen):
+        for second in chosen[a + 1:]:
+            cells = matrix[first]
+            kind = cells[gpus.index(second)] if gpus.index(second) < len(cells) else "?"
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
