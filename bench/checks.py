@@ -14,7 +14,7 @@ DEFAULT_PORT = 29500  # torchrun's, and 04's and 05's --master-port unless MASTE
 # (texts any of which names the failure, its likely cause and fix), most specific first: the first match counts.
 # The texts are torch 2.14.1's, gloo's and NCCL 2.30.7's (their libraries' strings), except where marked.
 ADVICE = [
-    (("unable to find address for", "unable to find interface for", "interface found", "socket_ifname"),
+    (("unable to find address for", "unable to find interface for", "interface found"),
      "a network interface that GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME names does not exist or has no address: "
      "unset them, or set both to one that `ip addr` (Windows: ipconfig) lists, e.g. lo on one machine"),
     (("/dev/shm", "no space left on device", "bus error", "shared memory"),
@@ -47,7 +47,8 @@ ADVICE = [
     (("unhandled system error", "remote process exited or there was a network error"),
      "a system call or the network failed inside NCCL, often /dev/shm too small in a container or the wrong "
      "network interface: rerun with NCCL_DEBUG=INFO; docker --shm-size=8g; NCCL_SOCKET_IFNAME=<interface>"),
-    (("timed out", "timing out", "timeout"),
+    (("timed out", "timing out", "socket timeout", "timeout after", "timeout waiting", "operation timeout",
+      "no answer within", "killed after"),  # the last two: the harness's own words for a run it had to stop
      "a peer never arrived or a collective hung: read the other ranks' logs; on GPUs retry with "
      "NCCL_P2P_DISABLE=1 (peer-to-peer hangs) and NCCL_DEBUG=INFO; across machines set NCCL_SOCKET_IFNAME "
      "and GLOO_SOCKET_IFNAME to the interface that links them"),
@@ -61,6 +62,8 @@ GENERIC_ADVICE = "rerun with NCCL_DEBUG=INFO TORCH_DISTRIBUTED_DEBUG=DETAIL: the
 def advice(text):
     """The likely cause and the fix, one line, for the text of a failed collective or run (its error and log)."""
     lowered = (text or "").lower()
+    for _, fix in ADVICE:  # a text that already carries advice (the harness adds it) must not match its words
+        lowered = lowered.replace(fix.lower(), "")
     return next((fix for needles, fix in ADVICE if any(n in lowered for n in needles)), GENERIC_ADVICE)
 
 

@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import importlib.metadata
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -60,10 +61,18 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help="skip the training runs (then about 20 s)")
     p.add_argument("--json", metavar="PATH", help="the table as JSON")
     args = p.parse_args(argv)
-    folder = os.path.dirname(os.path.abspath(args.json)) if args.json else None
-    if args.json and (os.path.isdir(args.json) or not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
+    if args.json and not writable(args.json):
         raise BadArgument(f"cannot write --json {args.json}: give a file in a folder that exists and is writable")
     return args
+
+
+def writable(path):
+    """Tried by writing beside it, as the harness tries --out (os.access says yes to root on a read-only mount)."""
+    try:
+        tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(path))).close()
+    except OSError:
+        return False
+    return not os.path.isdir(path)
 
 
 def doctor_settings(gpus, args, work):
@@ -178,9 +187,9 @@ def reference(backend, n):
     """What to compare the bus bandwidth with: the gloo figures committed in results/, NCCL's links' peaks."""
     if backend != "gloo":
         return NCCL_REFERENCE
-    found = {}
-    for name in sorted(os.listdir(os.path.join(REPO, "results"))):
-        for path in (os.path.join(REPO, "results", name, f) for f in ("allreduce.json", f"allreduce-n{n}.json")):
+    found, results = {}, os.path.join(REPO, "results")
+    for name in sorted(os.listdir(results) if os.path.isdir(results) else []):
+        for path in (os.path.join(results, name, f) for f in ("allreduce.json", f"allreduce-n{n}.json")):
             result = read_json(path) or {}
             if result.get("backend") == "gloo" and result.get("world_size") == n:
                 found[name] = result["gradient_row"]["busbw_gb_s"]
@@ -205,8 +214,8 @@ def collective_rows(settings, work):
 
 def collective_failed(n, result, backend, work):
     log = os.path.join(work, "logs", f"allreduce-n{n}.log")  # measure_allreduce's name for it
-    text = result["error"] + "\n" + (open(log, errors="replace").read() if os.path.exists(log) else "")
     why = result["error"].split(":")[0]  # "exit code 1", "no answer within 60 s"
+    text = f"{why}\n{pathlib.Path(log).read_text(errors='replace')}" if os.path.exists(log) else result["error"]
     return row(f"all-reduce n={n}", "FAIL", f"{backend}, {why}: {checks.cause_line(text)} (log {log})",
                checks.advice(text))
 
@@ -243,7 +252,7 @@ def training_rows(settings, work, failed_n):
             rows.append(row(check, "skip", f"{MODES[mode].script}: {left_out.get(mode, 'runs at no n here')}"))
         elif MODES[mode].collective and (run.n in failed_n or hung):
             why = f"the all-reduce at n={run.n} failed" if run.n in failed_n else f"{hung} timed out"
-            rows.append(row(check, "skip", f"n={run.n}: not run, {why}", "fix that first"))
+            rows.append(row(check, "skip", f"n={run.n}: not run, {why} (fix that first)"))
         else:
             say(f"{check} at n={run.n}")
             result = runs_table.run_one(run, settings, work)

@@ -51,7 +51,8 @@ def test_the_doctor_finds_this_cpu_machine_ready_with_every_check_in_one_table(r
     assert list(rows) == MACHINE_CHECKS + ["all-reduce n=2"] + trains
     assert all(r["status"] in ("ok", "skip") for r in report["rows"]), report["rows"]
     assert rows["devices"]["status"] == rows["versions"]["status"] == rows["all-reduce n=2"]["status"] == "ok"
-    assert "GB/s" in rows["all-reduce n=2"]["detail"] and "compare: gloo on loopback" in rows["all-reduce n=2"]["detail"]
+    collective = rows["all-reduce n=2"]["detail"]
+    assert "GB/s" in collective and "compare: gloo on loopback" in collective
     for name, mode in MODES.items():  # each mode trained at the largest n it runs at on the CPU: 2, 01 and 02 at 1
         row = rows[f"train {mode.script[:2]} {name}"]
         assert row["status"] == "ok" and row["detail"].startswith(f"n={2 if mode.runs_with(2, True) else 1}:"), row
@@ -91,6 +92,8 @@ NVIDIA_SMI = {
 
 @pytest.fixture
 def two_gpus(tmp_path, monkeypatch):
+    if os.name == "nt":
+        pytest.skip("the stand-in nvidia-smi is a shell script")
     """nvidia-smi lists two GPUs; another process holds 40 GB of GPU 0."""
     env = fake_command(tmp_path, "nvidia-smi", NVIDIA_SMI)
     monkeypatch.setenv("PATH", env["PATH"])
@@ -178,6 +181,24 @@ def test_advice_names_the_cause_and_fix_of_real_failure_texts(text, fix):
     assert said != checks.GENERIC_ADVICE and fix in said and "\n" not in said
 
 
+def test_advice_on_the_harness_own_words_for_a_stopped_run_or_collective_is_the_hang():
+    hang = checks.advice("DistStoreError: Timed out after 6 seconds waiting for clients.")
+    assert checks.advice("no answer within 60 s:  (log logs/allreduce-n2.log)") == hang  # measurements.run_tool
+    assert checks.advice("killed after the 120 s timeout") == hang  # runs_table.status
+
+
+def test_advice_on_a_text_that_already_carries_advice_answers_its_failure_not_the_advice_words():
+    """The harness appends advice to a tool's error; the timeout's names the interface variables, the system
+    error's /dev/shm: read again, each must still give its own."""
+    for failure in ("no answer within 60 s", "unhandled system error (run with NCCL_DEBUG=INFO for details)"):
+        assert checks.advice(f"{failure} (log x.log); {checks.advice(failure)}") == checks.advice(failure)
+
+
+def test_a_timeout_argument_in_a_traceback_is_not_taken_for_a_timeout():
+    log = "  File \"a.py\", line 5\n    dist.init_process_group('gloo', timeout=timedelta(seconds=60))\nValueError: x"
+    assert checks.advice(log) == checks.GENERIC_ADVICE
+
+
 def test_advice_for_an_unknown_failure_says_how_to_see_more():
     assert checks.advice("ValueError: something else went wrong") == checks.GENERIC_ADVICE
     assert "NCCL_DEBUG=INFO TORCH_DISTRIBUTED_DEBUG=DETAIL" in checks.GENERIC_ADVICE
@@ -249,6 +270,7 @@ def test_runs_that_need_a_failed_collective_or_follow_a_hang_are_skipped_not_run
 
 @pytest.mark.parametrize("args, says", [(["--cpu", "0"], "at least 1"), (["--gpus", "0"], "does not exist"),
                                         (["--json", "/no/such/folder/d.json"], "cannot write --json"),
+                                        (["--json", "."], "cannot write --json"),
                                         (["--bogus"], "unrecognized")])
 def test_bad_arguments_are_one_line_and_exit_2(args, says):
     result = run([sys.executable, "bench/doctor.py", *args], timeout=120, check=False)
