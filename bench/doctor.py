@@ -1,4 +1,5 @@
-"""Is this machine ready for multi-GPU training? Run this first on a new machine: about a minute, one table.
+"""Is this machine ready for multi-GPU training? Run this first on a new machine: one table, each failure with its
+likely cause and fix. --quick takes under a minute; the short run of each mode adds 10-40 s per mode on a 2-core VM.
 
     python bench/doctor.py                  # every GPU (or 2 CPU processes with gloo where there is none)
     python bench/doctor.py --gpus 0,1       # those GPUs (positions among the visible ones, as run_all.py takes)
@@ -9,8 +10,8 @@
 It checks the devices (and GPUs that other processes hold), the versions (driver, CUDA, NCCL, torch), the
 topology, /dev/shm, ports, the network interface settings, the all-reduce at each n the sweep uses (NCCL on GPUs,
 gloo on the CPU) with its bus bandwidth, and one short training run of each mode at the largest n it runs at.
-Each failure says its likely cause and the fix. Exit status 0: ready (warnings allowed), 1: a check failed,
-2: bad arguments. The checks themselves are in bench/checks.py; the harness uses them too.
+Exit status 0: ready (warnings allowed), 1: a check failed, 2: bad arguments. The checks themselves are in
+bench/checks.py; the harness uses them too.
 """
 import argparse
 import contextlib
@@ -30,8 +31,10 @@ from bench.outputs import read_json, write_json  # noqa: E402
 from bench.run_all import BadArgument, Parser, at_least, choose_gpus, int_list  # noqa: E402
 from bench.scripts import MODES, REPO  # noqa: E402
 
-STEPS, BATCH, TRAIN_IMAGES, TEST_IMAGES = 6, 16, 2048, 100  # a handful of steps past the scripts' 5 warm-up ones;
-RUN_TIMEOUT_S = 120  # a tiny test split: evaluating MNIST's 10,000 images would be most of each run's time
+# A handful of steps past the scripts' 5 warm-up ones, on a tiny MNIST written for the doctor: evaluating 10,000
+# test images would be most of each run's time (30 s instead of 10 s on a 2-core VM).
+STEPS, BATCH, TRAIN_IMAGES, TEST_IMAGES = 6, 16, 2048, 100
+RUN_TIMEOUT_S = 120  # such a run takes 10-40 s on a busy 2-core VM
 NCCL_SLOW_GB_S = 2  # the gradient's all-reduce below this on GPUs: not over NVLink or PCIe (a guess, see reference)
 FAKE_MNIST = "import sys; from bench.fake_mnist import write_fake_mnist; write_fake_mnist(sys.argv[1], {}, {})"
 # Links' one-way peaks from NVIDIA's datasheets; nccl-tests' busbw nears them only for messages of hundreds of MB.
@@ -39,8 +42,6 @@ NCCL_REFERENCE = ("link peaks one way (NVIDIA datasheets): NVLink 4 (H100/H200 S
                   "300, PCIe 5.0 x16 64, PCIe 4.0 x16 32; a 4.8 MB message reaches only a fraction of them")
 SETTINGS_SHOWN = ("NCCL_", "GLOO_", "TORCH_DISTRIBUTED", "TORCH_NCCL", "MASTER_", "CUDA_VISIBLE_DEVICES",
                   "CUDA_DEVICE_ORDER", "OMP_NUM_THREADS")
-
-
 STARTED = time.monotonic()
 
 

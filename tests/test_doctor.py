@@ -1,5 +1,6 @@
 """The doctor (`python bench/doctor.py`), run as a user runs it on this CPU-only machine, and the checks it shares
 with the harness (bench/checks.py): busy GPUs from nvidia-smi, interfaces, and the cause and fix of a failure."""
+import importlib.util
 import json
 import os
 import socket
@@ -9,7 +10,8 @@ import time
 import pytest
 
 from conftest import fake_command, run
-from bench import checks, doctor, runs_table
+from bench import checks, doctor, measurements, runs_table
+from bench.processes import KILL_GRACE_S
 from bench.scripts import MODES
 
 MACHINE_CHECKS = ["devices", "GPU memory", "versions", "topology", "/dev/shm", "ports", "settings"]
@@ -77,6 +79,18 @@ def test_a_broken_collective_fails_fast_naming_the_collective_and_the_fix(broken
     assert result.stdout.splitlines()[-1].startswith("NOT READY") and report["ready"] is False
     assert seconds < 180  # the versions child, then gloo's own error: no wait for a timeout
     assert "Traceback" not in result.stdout
+
+
+def test_a_collective_that_does_not_answer_in_time_fails_with_the_hang_advice_at_the_bound(monkeypatch, tmp_path):
+    """A hung all-reduce, stood in for by the bound cut to 1 s (the tool's start-up alone takes longer)."""
+    monkeypatch.setattr(measurements, "COLLECTIVE_TIMEOUT_S", 1)
+    (tmp_path / "logs").mkdir()
+    started = time.monotonic()
+    rows, failed = doctor.collective_rows(doctor.doctor_settings([], doctor.parse_args([]), str(tmp_path)),
+                                          str(tmp_path))
+    assert failed == {2} and rows[0]["status"] == "FAIL" and "no answer within 1 s" in rows[0]["detail"]
+    assert rows[0]["todo"] == checks.advice("Timed out") and "NCCL_P2P_DISABLE=1" in rows[0]["todo"]
+    assert time.monotonic() - started < 1 + 2 * KILL_GRACE_S + 5  # the bound, then SIGTERM and SIGKILL
 
 
 # ---- busy GPUs, through a stand-in nvidia-smi
@@ -266,6 +280,18 @@ def test_runs_that_need_a_failed_collective_or_follow_a_hang_are_skipped_not_run
     rows = doctor.training_rows(doctor.doctor_settings([], args, str(tmp_path)), str(tmp_path), failed_n=set())
     assert "ddp_launch" in ran and "ddp_spawn" not in ran  # after 03's hang, no other run waits for its timeout
     assert any("timed out" in r["detail"] for r in rows if r["status"] == "skip")
+
+
+def test_without_lightning_its_run_is_skipped_saying_how_to_install_it(monkeypatch, tmp_path):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "lightning" else find_spec(name, *args))
+    monkeypatch.setattr(runs_table, "run_one", lambda run, settings, out_dir: dict(
+        status="ok", error="", samples_per_s=1.0, wall_s=1.0, log_tail="", log_path="logs/x.log"))
+    rows = doctor.training_rows(doctor.doctor_settings([], doctor.parse_args([]), str(tmp_path)), str(tmp_path), set())
+    lightning = next(r for r in rows if r["check"] == "train 07 lightning")
+    assert lightning["status"] == "skip" and "pip install lightning" in lightning["detail"]
+    assert all(r["status"] == "ok" for r in rows if r is not lightning)
 
 
 @pytest.mark.parametrize("args, says", [(["--cpu", "0"], "at least 1"), (["--gpus", "0"], "does not exist"),
