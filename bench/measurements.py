@@ -4,30 +4,36 @@ import os
 import pathlib
 import sys
 
+from bench.checks import advice
 from bench.commands import visible
 from bench.outputs import read_json
 from bench.plan import device_counts
 from bench.processes import log_tail, run_processes
 
-MEASURE_TIMEOUT_S = 300
+LOADER_TIMEOUT_S = 300
+# The collective before the sweep: a few seconds when it works. One that cannot connect costs this, once per n,
+# and the sweep skips the runs that need it instead of waiting for each one's timeout.
+COLLECTIVE_TIMEOUT_S = 60
 
 
-def run_tool(tool, args, out_dir, name, gpus):
+def run_tool(tool, args, out_dir, name, gpus, timeout):
     """A tool of bench/measure/ on these GPUs: its JSON, or {'error'} saying why there is none."""
     path, log = os.path.join(out_dir, f"{name}.json"), os.path.join(out_dir, "logs", f"{name}.log")
     pathlib.Path(path).unlink(missing_ok=True)  # never report an earlier sweep's result
     argv = [sys.executable, "-m", f"bench.measure.{tool}", *map(str, args), "--json", path]
-    code, timed_out = run_processes([(visible(gpus), argv)], [log], MEASURE_TIMEOUT_S)
+    code, timed_out = run_processes([(visible(gpus), argv)], [log], timeout)
     if timed_out or code != 0:
-        why = f"killed after {MEASURE_TIMEOUT_S} s" if timed_out else f"exit code {code}"
-        return {"error": f"{why}: {log_tail([log], lines=1)} (log {os.path.relpath(log, out_dir)})"}
+        why = f"no answer within {timeout} s" if timed_out else f"exit code {code}"
+        tail = log_tail([log], lines=40)
+        last = next((line for line in reversed(tail.splitlines()) if line.strip()), "")
+        return {"error": f"{why}: {last[-300:]} (log {os.path.relpath(log, out_dir)}); {advice(tail)}"}
     return read_json(path) or {"error": f"no result in {path}"}
 
 
 def measure_loader(settings, out_dir):
     args = ["--batch-size", settings.per_device_batches[0], "--passes", 3] + ["--cpu"] * settings.cpu
     args += ["--synthetic"] if settings.synthetic else ["--data-dir", settings.data_dir]
-    return run_tool("loader_speed", args, out_dir, "loader_speed", settings.gpus[:1])
+    return run_tool("loader_speed", args, out_dir, "loader_speed", settings.gpus[:1], LOADER_TIMEOUT_S)
 
 
 def measure_allreduce(settings, out_dir):
@@ -35,7 +41,12 @@ def measure_allreduce(settings, out_dir):
     for n in [n for n in device_counts(settings.max_n) if n >= 2]:
         args = ["--nprocs", n, "--min-bytes", 4096, "--max-bytes", 4096, "--warmup", 3, "--iters", 10,
                 "--no-env"] + ["--cpu"] * settings.cpu  # a few seconds each
-        results[n] = run_tool("allreduce", args, out_dir, f"allreduce-n{n}", settings.gpus[:n])
+        results[n] = run_tool("allreduce", args, out_dir, f"allreduce-n{n}", settings.gpus[:n], COLLECTIVE_TIMEOUT_S)
         time_us = (results[n].get("gradient_row") or {}).get("time_us", math.nan)
         print(f"all-reduce of the gradient at n={n}: {time_us / 1e3:.2f} ms {results[n].get('error', '')}", flush=True)
     return results
+
+
+def failed_collectives(allreduce):
+    """{n: why} for each n whose collective failed before the sweep (env.json's keys are strings once read back)."""
+    return {int(n): result["error"] for n, result in (allreduce or {}).items() if "error" in result}

@@ -9,6 +9,7 @@ from bench.scripts import MODES, REPO
 # The estimate before a sweep: start-up and data, one evaluation of 10,000 images per epoch, then training at 01's
 # speed on a quiet 2-core AMD EPYC VM (real MNIST; n CPU processes share its cores: the same total) or an H200.
 START_S, EVAL_S, SAMPLES_PER_S = 5, dict(cpu=1.2, gpu=0.2), dict(cpu=2300, gpu=25000)
+TIMEOUT_FACTOR, TIMEOUT_SLACK_S = 5, 120  # a run's bound: 5 x its estimate + 2 minutes (CUDA start-up, imports)
 
 
 @dataclasses.dataclass
@@ -24,7 +25,7 @@ class Settings:
     synthetic: bool
     data_dir: str
     target_acc: float
-    timeout: float
+    timeout: float  # seconds a run may take; None: from its estimate (timeout_s)
     cores: int  # CPU runs share them: each of n processes gets cores // n threads
 
     @property
@@ -102,3 +103,9 @@ def estimate_s(run, settings):
     device = "cpu" if settings.cpu else "gpu"
     speed = SAMPLES_PER_S[device] * ideal_speedup(run.n, settings.cpu)
     return START_S + settings.epochs * (EVAL_S[device] + steps * run.n * run.per_device_batch / speed)
+
+
+def timeout_s(run, settings):
+    """--timeout, else a bound from the estimate: generous for a slow first run, yet a run whose collective hangs
+    ends in minutes instead of after NCCL's 10-minute watchdog (or gloo's 30-minute default)."""
+    return settings.timeout or TIMEOUT_FACTOR * estimate_s(run, settings) + TIMEOUT_SLACK_S

@@ -7,10 +7,25 @@ import signal
 import subprocess
 import time
 
+from bench.machine import output_of
 from bench.scripts import REPO
 
 KILL_GRACE_S = 5  # SIGTERM first so that process groups can be destroyed cleanly, then SIGKILL
 PEER_GRACE_S = 15  # once one node of 05 has failed, the other would only wait for its rendezvous timeout
+
+
+# What a launcher or scheduler tells the process it starts. A run inherits none of it: inside a SLURM job or under
+# torchrun, Lightning (07) and torch would take the harness's own job for the run's (07 exits at n >= 2 otherwise).
+LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_COMM_WORLD_")
+LAUNCHER_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                      "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"}
+
+
+def run_environment(env):
+    """This process's environment less what launchers set, then env: a run sees only the launch the harness made."""
+    inherited = {k: v for k, v in os.environ.items()
+                 if k not in LAUNCHER_VARIABLES and not k.startswith(LAUNCHER_PREFIXES)}
+    return {**inherited, "PYTHONUNBUFFERED": "1", **env}
 
 
 def stop(procs):
@@ -31,7 +46,7 @@ def run_processes(cmds, log_paths, timeout):
         for (env, argv), log_path in zip(cmds, log_paths):
             pathlib.Path(log_path).write_text(f"$ {shlex.join(argv)}\n")
             with open(log_path, "a") as log:
-                procs.append(subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                procs.append(subprocess.Popen(argv, cwd=REPO, env=run_environment(env),
                                               stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                               start_new_session=True))
         deadline, give_up, timed_out = time.monotonic() + timeout, float("inf"), False
@@ -47,3 +62,11 @@ def run_processes(cmds, log_paths, timeout):
 
 def log_tail(paths, lines=15):
     return "\n---\n".join("\n".join(pathlib.Path(p).read_text(errors="replace").splitlines()[-lines:]) for p in paths)
+
+
+def processes_mentioning(text):
+    """[(pid, command)] of the processes (not this one) whose command line holds text: `ps` on Linux and macOS;
+    Windows has no `ps`, so there the check finds nothing (tasklist cannot show command lines)."""
+    listed = output_of(["ps", "-axo", "pid=,args="]) or ""
+    rows = [line.strip().split(None, 1) for line in listed.splitlines() if text in line]
+    return [(int(pid), command) for pid, command in rows if int(pid) != os.getpid()]

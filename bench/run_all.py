@@ -25,6 +25,7 @@ from bench import machine, measurements, plan, runs_table  # noqa: E402
 from bench.commands import as_typed, commands, repo_relative  # noqa: E402
 from bench.fake_mnist import missing_mnist_files  # noqa: E402
 from bench.outputs import read_json, write_json  # noqa: E402
+from bench.processes import processes_mentioning  # noqa: E402
 from bench.scripts import MODES, REPO  # noqa: E402
 
 RESULTS = os.path.join(REPO, "results")  # each machine's sweeps: results/<label>, then <label>-2, -3...
@@ -93,7 +94,8 @@ def parse_args(argv):
     p.add_argument("--data-dir", default="data", help="torchvision's MNIST folder (default ./data)")
     p.add_argument("--no-download", action="store_true", help="stop if MNIST is not in --data-dir")
     p.add_argument("--target-acc", type=at_least(0.0, float), default=0.98, help="for time to accuracy (0.98)")
-    p.add_argument("--timeout", type=at_least(1.0, float), default=600, help="seconds before a run is killed (600)")
+    p.add_argument("--timeout", type=at_least(1.0, float),
+                   help="seconds before a run is killed (default: 5 x its estimate + 120)")
     p.add_argument("--variant", type=variant, action="append", default=[], metavar='NAME="FLAGS"',
                    help="repeat the sweep with these script flags (repeatable), e.g. lr2=\"--lr 2\"")
     p.add_argument("--out", help="output folder (default results/<machine>, or -2, -3... if that holds a sweep)")
@@ -136,6 +138,16 @@ def default_out(label, resume):
         return os.path.join(RESULTS, label if i == 1 else f"{label}-{i}")
     i = next(i for i in itertools.count(1) if not os.path.exists(os.path.join(folder(i), "runs.csv")))
     return folder(max(1, i - 1) if resume else i)
+
+
+def check_no_stray_runs(out_dir):
+    """A sweep killed outright (SIGKILL, a lost terminal) leaves its runs training: a new one would share the devices
+    with them and measure that. Their command lines name the sweep's metrics/ folder."""
+    metrics = os.path.join(out_dir, "metrics", "")
+    strays = processes_mentioning(metrics) + processes_mentioning(os.path.join(repo_relative(out_dir), "metrics", ""))
+    if strays:
+        named = "; ".join(f"pid {pid}: {command[:80]}" for pid, command in dict(strays).items())
+        raise BadArgument(f"runs of an earlier sweep into {out_dir} are still running ({named}): stop them first")
 
 
 def earlier_runs(out_dir, settings, earlier_settings):
@@ -190,6 +202,8 @@ def main(argv=None):
             raise BadArgument("nothing to run: " + "; ".join(left_out))
         out_dir = os.path.abspath(args.out or default_out(machine.machine_tag([n for _, n in gpus]), args.resume))
         check_out(out_dir, args.resume, args.force or args.dry_run)  # a dry run writes nothing: it never refuses
+        if not args.dry_run:
+            check_no_stray_runs(out_dir)  # before --resume reads what they may still be writing
         earlier = read_json(os.path.join(out_dir, "env.json"), {}) if args.resume else {}
         done = earlier_runs(out_dir, settings, earlier.get("settings") or {}) if args.resume else {}
         print_plan(runs, done, settings, left_out, out_dir)
@@ -211,9 +225,12 @@ def main(argv=None):
         print(f"benchmarking on {env['hardware']} -> {out_dir}", flush=True)
         # A resumed sweep keeps what was measured when it started: the same machine, and seconds saved.
         env["loader"] = earlier.get("loader") or measurements.measure_loader(settings, out_dir)
-        env["allreduce"] = earlier.get("allreduce") or measurements.measure_allreduce(settings, out_dir)
+        env["allreduce"] = earlier.get("allreduce")
+        if not env["allreduce"] or measurements.failed_collectives(env["allreduce"]):  # a failed one: tried again
+            env["allreduce"] = measurements.measure_allreduce(settings, out_dir)
         write_json(os.path.join(out_dir, "env.json"), env)
-        runs_table.write_runs(out_dir, runs_table.run_plan(runs, done, settings, out_dir))
+        broken = measurements.failed_collectives(env["allreduce"])
+        runs_table.write_runs(out_dir, runs_table.run_plan(runs, done, settings, out_dir, broken))
         from bench import plots, report  # seconds to import: not before the arguments are checked
         frame, summary = report.read_and_summarize(out_dir)
         written = plots.write_all(out_dir, summary, env["hardware"], settings)

@@ -9,17 +9,21 @@ import sys
 import time
 from datetime import datetime, timedelta, timezone
 
+from bench import plan
+from bench.checks import advice, busy, gpu_usage
 from bench.commands import as_typed, commands
 from bench.outputs import read_json, write_atomically
 from bench.processes import log_tail, run_processes
+from bench.scripts import MODES
 
 # From the metrics record; not its per_device_batch (= global_batch / world_size): the run's own is the plan's.
 RECORD_COLUMNS = ["world_size", "nodes", "device_type", "backend", "threads", "global_batch", "lr", "epochs",
                   "steps", "train_samples", "samples_per_s", "test_accuracy", "test_loss", "peak_memory_bytes",
                   "synthetic", "torch_version"]
 COLUMNS = (["run_id", "variant", "mode", "n", "per_device_batch", "repeat", "status", "exit_code", "error",
-            "loader_batch"] + RECORD_COLUMNS + ["time_to_target_s", "target_accuracy", "wall_s", "started_at",
-                                                "command", "log_path", "metrics_path", "log_tail"])
+            "busy_before", "loader_batch", "timeout_s"] + RECORD_COLUMNS
+           + ["time_to_target_s", "target_accuracy", "wall_s", "started_at", "command", "log_path", "metrics_path",
+              "log_tail"])
 
 
 def time_to_target(record, target):
@@ -29,10 +33,10 @@ def time_to_target(record, target):
     return next((t for t, epoch in zip(elapsed, epochs) if epoch["test_accuracy"] >= target), None)
 
 
-def status(code, timed_out, record, settings):
+def status(code, timed_out, record, settings, timeout):
     """(status, error): ok only when the run exited 0, wrote its record, and trained where it was asked to."""
     if timed_out:
-        return "timeout", f"killed after the {settings.timeout:g} s timeout"
+        return "timeout", f"killed after its {timeout:.0f} s timeout"
     if code != 0:
         return "failed", f"exit code {code}"
     if record is None:
@@ -50,23 +54,35 @@ def run_one(run, settings, out_dir):
     os.makedirs(snapshots)
     cmds = commands(run, settings, metrics, os.path.join(snapshots, "snapshot.pt"))
     logs = [os.path.join(out_dir, "logs", f"{run.run_id}{f'.node{i}' if i else ''}.log") for i in range(len(cmds))]
+    in_use, timeout = "; ".join(busy(gpu_usage(settings.gpus[:run.n]))), plan.timeout_s(run, settings)
     started, t0 = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.monotonic()
-    code, timed_out = run_processes(cmds, logs, settings.timeout)
+    code, timed_out = run_processes(cmds, logs, timeout)
     wall = round(time.monotonic() - t0, 2)
     shutil.rmtree(snapshots, ignore_errors=True)
     record = read_json(metrics)
-    state, error = status(code, timed_out, record, settings)
+    state, error = status(code, timed_out, record, settings, timeout)
+    if state != "ok":
+        error = f"{error}; {advice(log_tail(logs, lines=40))}"
     argv = cmds[0][1]
     reached = time_to_target(record, settings.target_acc) if record and not record.get("synthetic") else None
     return dict(dataclasses.asdict(run), run_id=run.run_id, status=state, exit_code=code, error=error, wall_s=wall,
+                busy_before=in_use, timeout_s=round(timeout),
                 started_at=started, target_accuracy=settings.target_acc, command=as_typed(cmds, settings.cpu),
                 loader_batch=argv[argv.index("--batch-size") + 1], log_path=os.path.relpath(logs[0], out_dir),
                 metrics_path=os.path.relpath(metrics, out_dir), log_tail=log_tail(logs) if state != "ok" else None,
                 time_to_target_s=reached, **{k: (record or {}).get(k) for k in RECORD_COLUMNS})
 
 
-def run_plan(runs, done, settings, out_dir):
-    """Run what is not done (done: earlier ok rows by run id, kept); returns every row, in plan order."""
+def skipped(run, why):
+    """The row of a run not started: the collective it needs failed before the sweep."""
+    return dict(dataclasses.asdict(run), run_id=run.run_id, status="skipped", error=why, command="", log_path="-",
+                metrics_path=os.path.join("metrics", f"{run.run_id}.json"),  # none is written: no record
+                log_tail="(not started: the error names the all-reduce's log)")
+
+
+def run_plan(runs, done, settings, out_dir, failed_collectives):
+    """Run what is not done (done: earlier ok rows by run id, kept), but not those whose collective failed
+    ({n: why}); returns every row, in plan order."""
     todo, fresh, t0 = [r for r in runs if r.run_id not in done], {}, time.monotonic()
 
     def rows():  # in plan order, then the earlier ones outside the plan (a resumed sweep with fewer modes)
@@ -78,10 +94,15 @@ def run_plan(runs, done, settings, out_dir):
         elapsed = time.monotonic() - t0
         left = f", about {timedelta(seconds=round(elapsed / (i - 1) * (len(todo) - i + 1)))} left" if i > 1 else ""
         print(f"{tag}: start, elapsed {timedelta(seconds=round(elapsed))}{left}", flush=True)
-        row = fresh[run.run_id] = run_one(run, settings, out_dir)
+        broken = failed_collectives.get(run.n) if MODES[run.mode].collective else None
+        why = f"not run: the all-reduce at n = {run.n} failed before the sweep: {broken}"
+        row = fresh[run.run_id] = skipped(run, why) if broken else run_one(run, settings, out_dir)
         result = (f"{row['samples_per_s'] or 0:,.0f} samples/s, accuracy {row['test_accuracy'] or 0:.2%}"
-                  if row["status"] == "ok" else f"{row['error']}, log {os.path.join(out_dir, row['log_path'])}")
-        print(f"{tag}: {row['status']} in {row['wall_s']:.1f} s, {result}", flush=True)
+                  if row["status"] == "ok" else row["error"] if row["status"] == "skipped"
+                  else f"{row['error']}, log {os.path.join(out_dir, row['log_path'])}")
+        print(f"{tag}: {row['status']} in {row.get('wall_s') or 0:.1f} s, {result}", flush=True)
+        if row.get("busy_before"):
+            print(f"{tag}: WARNING, its GPUs were busy when it started: {row['busy_before']}", flush=True)
         write_runs(out_dir, rows())
     return rows()
 

@@ -16,6 +16,11 @@ class Mode:
     snapshot: bool = False  # each run gets a --snapshot of its own (deleted after the run)
     needs: str = ""  # a module that must import besides torch
 
+    @property
+    def collective(self):
+        """Whether its processes meet in a process group: they need the collective the harness checks first."""
+        return self.launch not in ("python", "dp")
+
     def loader_batch(self, per_device_batch, n):
         """Its --batch-size; the global batch is n x per_device_batch, and dp's one process loads all of it."""
         return n * per_device_batch if self.launch == "dp" else per_device_batch

@@ -24,7 +24,7 @@ def harness(*args, env=None, timeout=600):
     """The harness as a user starts it. Past the timeout it gets SIGTERM, as from a user's kill: it then
     stops its runs (started in sessions of their own, a SIGKILL of the harness would leave them running)."""
     with subprocess.Popen([sys.executable, "bench/run_all.py", *map(str, args)], cwd=ROOT, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})}) as proc:
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment(env)) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -32,6 +32,11 @@ def harness(*args, env=None, timeout=600):
             proc.communicate(timeout=60)
             raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def environment(env):
+    """os.environ updated with env, less the variables env maps to None."""
+    return {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
 
 
 def read_runs(out):
@@ -52,7 +57,8 @@ def fake_machine(tmp_path_factory):
     executable(bin_dir / "nvidia-smi", f"#!/bin/sh\n[ \"$1\" = topo ] && exit 1\n{gpus}")
     for name in ("python", "torchrun"):
         executable(bin_dir / name, f"#!/bin/sh\necho 'the {name} on PATH ran' >&2\nexit 97\n")
-    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    # A CUDA_VISIBLE_DEVICES of the real machine (SLURM and many clouds set one) would choose among its GPUs.
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": None}
 
 
 # ---- the plan and the batch-size rules, without running anything
@@ -275,10 +281,10 @@ def test_the_default_cpu_sweep_runs_each_mode_once_in_about_7_minutes(tmp_path, 
 
 def test_a_gpu_sweep_counts_a_run_that_trained_on_the_cpu_as_failed():
     settings = gpu_settings(["0"])
-    assert runs_table.status(0, False, {"device_type": "cuda"}, settings) == ("ok", "")
-    state, error = runs_table.status(0, False, {"device_type": "cpu"}, settings)
+    assert runs_table.status(0, False, {"device_type": "cuda"}, settings, 600) == ("ok", "")
+    state, error = runs_table.status(0, False, {"device_type": "cpu"}, settings, 600)
     assert state == "failed" and "trained on cpu, not on a GPU" in error
-    assert runs_table.status(0, False, {"device_type": "cpu"}, dataclasses.replace(settings, gpus=[]))[0] == "ok"
+    assert runs_table.status(0, False, {"device_type": "cpu"}, dataclasses.replace(settings, gpus=[]), 600)[0] == "ok"
 
 
 def test_time_to_target_counts_training_time_until_the_first_epoch_at_target():
