@@ -6,13 +6,17 @@ import warnings
 import pytest
 import torch
 
-from conftest import load_script, run, script_command
+from conftest import TORCHRUN, free_port, load_script, run, script_command, start
 
 pytestmark = pytest.mark.gpu
 
 
-# The other tests hide the GPUs from the scripts they start; these give them back.
-GPUS = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(8))))}
+# The other tests hide the GPUs from the scripts they start; these give them back: the ones this process was
+# given, else every one it sees. TF32 off (cuDNN's convolutions use it by default), so that the comparisons of
+# modes below hold float32's tolerance, not TF32's.
+GPUS = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES",
+                                               ",".join(map(str, range(torch.cuda.device_count())))),
+        "NVIDIA_TF32_OVERRIDE": "0"}
 
 
 def train(script, out, *args, nprocs=None):
@@ -76,3 +80,51 @@ def test_a_training_step_never_waits_for_the_gpu(quick_mnist_dir):
 
     synchronisations(8)  # the first epoch also pays for start-up, and its warm-up steps wait on purpose
     assert synchronisations(12) == synchronisations(4)
+
+
+# ---- two ranks on one GPU: the multi-process CUDA paths on a machine with a single GPU
+
+def as_two_hosts(node_command, out, timeout=240):
+    """node_command(r) for r = 0, 1 at once, both on GPU 0 of this machine, each told by NCCL_HOSTID that it is a
+    host of its own: NCCL refuses two ranks of one host on one GPU. Returns rank 0's metrics record."""
+    out.mkdir()
+    node1 = start(node_command(1), env={**GPUS, "NCCL_HOSTID": "gpu-check-host-1"})
+    try:
+        run(node_command(0), timeout=timeout, env={**GPUS, "NCCL_HOSTID": "gpu-check-host-0"})
+        assert node1.wait(timeout=60) == 0, node1.communicate()
+    finally:
+        node1.kill()
+    record = json.loads((out / "m.json").read_text())
+    assert (record["device_type"], record["world_size"], record["backend"]) == ("cuda", 2, "nccl"), record
+    return record
+
+
+def torchrun_node(script, rank, port, *args):
+    """One of two torchrun agents on this host, one process each: two "nodes" as 05 has them."""
+    return [*TORCHRUN, "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(rank), "--master_addr",
+            "127.0.0.1", "--master_port", str(port), script, *map(str, args)]
+
+
+SHORT = ["--synthetic", "--max-steps", 20, "--log-interval", 0]
+
+
+def test_05_trains_as_two_nodes_on_one_gpu(tmp_path):
+    port = free_port()
+    as_two_hosts(lambda r: script_command("05_multinode_mnist.py", "-n", 2, "-g", 1, "--nr", r, "--master-port",
+                                          port, *SHORT, "--metrics-json", tmp_path / "05" / "m.json"), tmp_path / "05")
+
+
+def test_06_snapshots_gather_every_ranks_state_on_its_own_gpu(tmp_path):
+    """06's snapshot gathers the ranks' RNG states with an object collective: on the current device of each."""
+    port = free_port()
+    snapshot = tmp_path / "snapshot.pt"
+    as_two_hosts(lambda r: torchrun_node("06_fault_tolerant.py", r, port, *SHORT, "--snapshot", snapshot,
+                                         "--metrics-json", tmp_path / "06" / "m.json"), tmp_path / "06")
+    assert snapshot.exists()
+
+
+def test_07_trains_with_lightning_as_two_nodes_on_one_gpu(tmp_path):
+    pytest.importorskip("lightning")
+    port = free_port()
+    as_two_hosts(lambda r: torchrun_node("07_lightning.py", r, port, *SHORT, "--devices", 1, "--num-nodes", 2,
+                                         "--metrics-json", tmp_path / "07" / "m.json"), tmp_path / "07")
