@@ -30,6 +30,10 @@ def run_environment(env):
 
 def stop(procs):
     """SIGTERM, then SIGKILL, to whole process groups: a torchrun or spawn parent leaves its workers otherwise."""
+    if os.name == "nt":  # Windows has neither process groups nor SIGKILL: taskkill /T ends a process and its tree
+        for p in procs:
+            subprocess.run(["taskkill", "/T", "/F", "/PID", str(p.pid)], capture_output=True)
+        return
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for p in procs:
             with contextlib.suppress(ProcessLookupError, PermissionError):  # the leader may be gone, not its children

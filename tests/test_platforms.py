@@ -7,6 +7,7 @@ import io
 import os
 import re
 import runpy
+import subprocess
 import sys
 import textwrap
 
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torchvision  # noqa: F401  (it imports torch._dynamo, which reads what stand_in replaces: first)
 
-from bench import machine
+from bench import machine, processes
 from conftest import MODES, ROOT, launcher_env, load_script, run, script_command
 
 CPU = torch.device("cpu")
@@ -347,3 +348,16 @@ def test_the_harness_plans_a_sweep_without_what_only_linux_has(tmp_path, monkeyp
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # cores as macOS and Windows count them: all
     folder = re.escape(os.path.join(ROOT, "results", machine.machine_tag([])))
     assert re.search(rf"runs planned.*; results in {folder}(-\d+)?$", result.stdout.splitlines()[0]), result.stdout
+
+
+def test_on_windows_the_harness_stops_a_run_with_all_it_started_by_taskkill(monkeypatch):
+    """Windows has no process groups and no SIGKILL: each run's process tree ends with taskkill /T /F."""
+    run = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    asked = []
+    monkeypatch.setattr(processes.os, "killpg", lambda *args: pytest.fail("killpg on Windows"), raising=False)
+    monkeypatch.setattr(processes.subprocess, "run", lambda argv, **kw: asked.append(argv) or run.kill())
+    try:
+        on_windows(monkeypatch, lambda: processes.stop([run]))
+    finally:
+        run.kill()
+    assert asked == [["taskkill", "/T", "/F", "/PID", str(run.pid)]] and run.wait(timeout=10) != 0
