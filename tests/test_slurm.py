@@ -114,3 +114,17 @@ def test_a_killed_task_ends_the_whole_job(cluster, tmp_path):
     assert state == "FAILED"
     output = job_output(tmp_path)
     assert f"{NODES[1]}: task 1: Killed" in output, output
+
+
+def test_the_harness_inside_a_batch_job_sweeps_every_mode_it_is_given_07_included(cluster, tmp_path):
+    """`sbatch --ntasks-per-node=1` around the harness, as users get GPUs on a cluster: its runs inherit none of
+    the job's SLURM_* variables, so Lightning does not take the job's one task per node for 07's layout."""
+    out = tmp_path / "sweep"
+    sweep = [sys.executable, "bench/run_all.py", "--cpu", "2", "--synthetic", "--modes", "03,07", "--epochs", "1",
+             "--max-steps", "6", "--per-gpu-batch", "16", "--out", str(out)]
+    command = ["sbatch", "--parsable", "--wait", "--nodes=1", "--ntasks-per-node=1", f"--cpus-per-task={CPUS}",
+               "--job-name=sweep", f"--output={tmp_path}/job-%j.out", "--wrap", subprocess.list2cmdline(sweep)]
+    job = subprocess.run(command, cwd=ROOT, env=cluster, capture_output=True, text=True, timeout=2 * JOB_TIMEOUT_S)
+    assert job.returncode == 0, f"sbatch exited {job.returncode}: {job.stderr}\n{job_output(tmp_path)}"
+    runs = (out / "runs.csv").read_text()
+    assert "ddp_launch-n2-b16-r1" in runs and "lightning-n2-b16-r1" in runs and ",failed," not in runs, runs
