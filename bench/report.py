@@ -174,8 +174,11 @@ def write_report(out_dir, runs, summary, env, settings, left_out, plots):
               for _, row in runs[runs["status"] != "ok"].iterrows()]
     entries = [f"- {k}: {v}" for k, v in env.items() if v not in (None, "") and len(str(v)) < 100
                and "\n" not in str(v) and not isinstance(v, (dict, list))]  # the short ones: versions, settings...
-    blocks += [BLOCKS["plots"].format(images="\n\n".join(images)),
-               BLOCKS["failed"].format(runs="\n\n".join(failed or [BLOCKS["no_failures"]])),
+    busy = [f"- {row['run_id']}: {row['busy_before']}" for _, row in runs.iterrows()
+            if isinstance(row.get("busy_before"), str) and row["busy_before"]]
+    blocks += [BLOCKS["plots"].format(images="\n\n".join(images))]
+    blocks += [BLOCKS["busy"].format(runs="\n".join(busy))] if busy else []
+    blocks += [BLOCKS["failed"].format(runs="\n\n".join(failed or [BLOCKS["no_failures"]])),
                BLOCKS["environment"].format(entries="\n".join(entries))]
     blocks += [BLOCKS["topology"].format(**env)] if env.get("nvidia_smi_topo") else []
     commands = "\n".join(BLOCKS["command"].format(**row) for _, row in runs.iterrows())
