@@ -105,7 +105,9 @@ def test_metrics_record_has_01s_keys_and_meanings(same_steps):
 
 def test_output_is_01s_without_lightnings_noise(same_steps):
     lit, single = same_steps["07"], same_steps["01"]
-    lines = lit.stdout.splitlines()
+    # torch 2.10's gloo prints each rank's connections (unbuffered, so two ranks' lines can interleave): torch's
+    # words, not Lightning's, and gone in later releases.
+    lines = [line for line in lit.stdout.splitlines() if "connected peer ranks" not in line]
     assert all(line.startswith(("epoch ", "lightning: ")) for line in lines), lit.stdout
     shape = [re.sub(r"\d+(\.\d+)?", "N", line) for line in single.stdout.splitlines()[:-1]]
     assert [re.sub(r"\d+(\.\d+)?", "N", line) for line in lines[:-1]] == shape  # 01's lines

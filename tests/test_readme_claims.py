@@ -7,6 +7,7 @@ errors that need a GPU (everything on GPU 0, DataParallel's memory on GPU 0, NCC
 source instead and are not claimed here.
 """
 import argparse
+import inspect
 import multiprocessing
 import os
 import socket
@@ -59,10 +60,17 @@ def accumulate(rank, forward_inside):
     return counts, model.module.weight.grad.clone()
 
 
-def buffers_before_forward(rank, forward_sync_buffers):
+# broadcast_buffers until torch 2.1x, forward_sync_buffers after (2.10 has only the first, 2.14 both, the first
+# deprecated): the test takes the one this torch names.
+SYNC_BUFFERS = next(name for name in ("forward_sync_buffers", "broadcast_buffers")
+                    if name in inspect.signature(DDP).parameters)
+
+
+def buffers_before_forward(rank, sync):
     """Rank 1 spoils its BatchNorm mean after DDP is built; what it holds after one training forward."""
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), forward_sync_buffers=forward_sync_buffers)
+    options = {} if sync is None else {SYNC_BUFFERS: sync}
+    model = DDP(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), **options)
     if rank == 1:
         with torch.no_grad():
             model.module[1].running_mean.fill_(100.0)
