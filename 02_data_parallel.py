@@ -117,8 +117,8 @@ def load_mnist(args, train):
     try:
         mnist = datasets.MNIST(args.data_dir, train=train, download=True)
     except Exception as e:
-        sys.exit(f"error: MNIST could not be loaded from {args.data_dir} ({type(e).__name__}: "
-                 f"{str(e)[:150]!r}); delete a corrupt file to download again, or use --synthetic")
+        sys.exit(f"error: MNIST could not be loaded from {args.data_dir} ({str(e)[-150:]!r}); "
+                 "a corrupt file: delete it; offline: copy the raw files in, or use --synthetic")
     return (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, mnist.targets  # MNIST's mean, std
 
 
