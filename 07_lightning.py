@@ -32,6 +32,7 @@ import torch.distributed as dist  # DDP
 import torch.nn as nn
 import torch.nn.functional as F
 from lightning.fabric.plugins.environments import SLURMEnvironment  # Lightning
+from lightning.pytorch.strategies import DDPStrategy  # Lightning
 from lightning.pytorch.utilities import disable_possible_user_warnings  # Lightning
 from torch.utils.data import DistributedSampler
 from torchvision import datasets
@@ -141,9 +142,13 @@ def setup(args):
     if accelerator != "cpu" and (gpus or accelerator == "gpu") and args.devices > gpus:
         sys.exit(f"error: {args.devices} processes on this machine but {gpus} GPU(s): give fewer "
                  "--devices, or add --cpu to try DDP on the CPU")
+    strategy = args.strategy  # Lightning: by name, unless this PyTorch has no NCCL (Windows)
+    if args.devices * args.num_nodes > 1 and not dist.is_nccl_available():  # gloo takes CUDA too
+        start = "spawn" if args.strategy == "ddp_spawn" else "popen"
+        strategy = DDPStrategy(start_method=start, process_group_backend="gloo")
     return L.Trainer(
         accelerator=accelerator, devices=args.devices, num_nodes=args.num_nodes,
-        strategy=args.strategy, max_epochs=args.epochs,
+        strategy=strategy, max_epochs=args.epochs,
         reload_dataloaders_every_n_epochs=1,  # train_dataloader() each epoch: its shuffle
         callbacks=[Timed(args)],  # measure
         num_sanity_val_steps=0, logger=False, enable_checkpointing=False,

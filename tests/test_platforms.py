@@ -183,6 +183,19 @@ def test_07_counts_cuda_or_mps_gpus_and_refuses_more_devices_in_one_line(kind, s
     assert type(trainer.accelerator).__name__ == "CPUAccelerator"
 
 
+@pytest.mark.parametrize("strategy, start", [("auto", "popen"), ("ddp", "popen"), ("ddp_spawn", "spawn")])
+def test_07_without_nccl_as_on_windows_asks_lightning_for_gloo(strategy, start, monkeypatch):
+    """Lightning picks NCCL for CUDA by itself; PyTorch for Windows has none, so 07 asks for gloo there."""
+    for key in ["LOCAL_WORLD_SIZE", "SLURM_NTASKS", "SLURM_JOB_NAME"]:
+        monkeypatch.delenv(key, raising=False)
+    lightning = load_script("07_lightning.py")
+    monkeypatch.setattr(lightning.dist, "is_nccl_available", lambda: False)
+    trainer = lightning.setup(lightning.parse_args(["--devices", "2", "--cpu", "--strategy", strategy]))
+    assert (trainer.strategy.process_group_backend, trainer.strategy._start_method) == ("gloo", start)
+    monkeypatch.setattr(lightning.dist, "is_nccl_available", lambda: True)  # Linux: Lightning chooses
+    assert lightning.setup(lightning.parse_args(["--devices", "2", "--cpu"])).strategy.process_group_backend is None
+
+
 # ---- The machine label (results/<label>, plot titles) on each OS, from the standard library only.
 
 CPUINFO = "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: {}\nflags\t\t: fpu\n\n"
