@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import importlib.metadata
 import os
-import pathlib
 import shutil
 import subprocess
 import sys
@@ -208,17 +207,15 @@ def collective_rows(settings, work):
         return [row("all-reduce", "skip", "n/a: one device, the sweep needs no collective")], set()
     with contextlib.redirect_stdout(sys.stderr):  # its progress lines; the table goes to stdout
         results = measurements.measure_allreduce(settings, work)
-    rows = [collective_failed(n, result, backend, work) if "error" in result else collective_ok(n, result, backend)
+    rows = [collective_failed(n, result, backend) if "error" in result else collective_ok(n, result, backend)
             for n, result in results.items()]
     return rows, {n for n, result in results.items() if "error" in result}
 
 
-def collective_failed(n, result, backend, work):
-    log = os.path.join(work, "logs", f"allreduce-n{n}.log")  # measure_allreduce's name for it
-    why = result["error"].split(":")[0]  # "exit code 1", "no answer within 60 s"
-    text = f"{why}\n{pathlib.Path(log).read_text(errors='replace')}" if os.path.exists(log) else result["error"]
-    return row(f"all-reduce n={n}", "FAIL", f"{backend}, {why}: {checks.cause_line(text)} (log {log})",
-               checks.advice(text))
+def collective_failed(n, result, backend):
+    """measurements.run_tool has read the log: why, the line naming the cause, and the fix."""
+    return row(f"all-reduce n={n}", "FAIL", f"{backend}, {result['why']}: {result['cause']} (log {result['log']})",
+               result["advice"])
 
 
 def collective_ok(n, result, backend):

@@ -4,7 +4,7 @@ import os
 import pathlib
 import sys
 
-from bench.checks import advice
+from bench.checks import advice, cause_line
 from bench.commands import visible
 from bench.outputs import read_json
 from bench.plan import device_counts
@@ -22,11 +22,12 @@ def run_tool(tool, args, out_dir, name, gpus, timeout):
     pathlib.Path(path).unlink(missing_ok=True)  # never report an earlier sweep's result
     argv = [sys.executable, "-m", f"bench.measure.{tool}", *map(str, args), "--json", path]
     code, timed_out = run_processes([(visible(gpus), argv)], [log], timeout)
-    if timed_out or code != 0:
+    if timed_out or code != 0:  # why, the log line that names the cause, and the fix: once, here
         why = f"no answer within {timeout} s" if timed_out else f"exit code {code}"
-        tail = log_tail([log], lines=40)
-        last = next((line for line in reversed(tail.splitlines()) if line.strip()), "")
-        return {"error": f"{why}: {last[-300:]} (log {os.path.relpath(log, out_dir)}); {advice(tail)}"}
+        text = f"{why}\n{log_tail([log], lines=40)}"
+        cause, fix = cause_line(text), advice(text)
+        return {"error": f"{why}: {cause} (log {os.path.relpath(log, out_dir)}); {fix}", "why": why,
+                "cause": cause, "advice": fix, "log": log}
     return read_json(path) or {"error": f"no result in {path}"}
 
 
