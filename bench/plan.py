@@ -19,7 +19,7 @@ class Settings:
     max_n: int  # devices at most: len(gpus), or CPU processes
     per_device_batches: list  # each swept (--per-gpu-batch)
     epochs: int
-    max_steps: int
+    max_steps: int  # per epoch at n = 1 (0: all); see steps_per_epoch
     test_batch_size: int
     seed: int
     synthetic: bool
@@ -97,9 +97,15 @@ def ideal_speedup(n, shared_cores):
     return 1 if shared_cores else n
 
 
+def steps_per_epoch(run, settings):
+    """--max-steps of a run, 0 for all: n devices take 1/n of max_steps (rounded up) with n times the batch, so an
+    epoch has the same images at every n, as a whole epoch of MNIST has, and time to target compares like with like."""
+    return math.ceil(settings.max_steps / run.n) if settings.max_steps else 0
+
+
 def estimate_s(run, settings):
     """Rough seconds of one run: MNIST has 60,000 training images."""
-    steps = min(math.ceil(60000 / (run.n * run.per_device_batch)), settings.max_steps or math.inf)
+    steps = min(math.ceil(60000 / (run.n * run.per_device_batch)), steps_per_epoch(run, settings) or math.inf)
     device = "cpu" if settings.cpu else "gpu"
     speed = SAMPLES_PER_S[device] * ideal_speedup(run.n, settings.cpu)
     return START_S + settings.epochs * (EVAL_S[device] + steps * run.n * run.per_device_batch / speed)

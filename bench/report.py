@@ -158,7 +158,7 @@ def head(env, summary, settings):
         reference=reference.format(cores=settings.cores),
         per_process=", ".join(m.script[:2] for m in MODES.values() if m.launch not in ("python", "dp")),
         per_device_batches=", ".join(map(str, settings.per_device_batches)), epochs=settings.epochs,
-        steps=settings.max_steps or "all", per_n=BLOCKS["steps_at_every_n"] if settings.max_steps else "",
+        steps=settings.max_steps or "all", per_n=BLOCKS["steps_at_n_1"] if settings.max_steps else "",
         test_batch_size=settings.test_batch_size, target_acc=settings.target_acc,
         data=BLOCKS["synthetic"] if settings.synthetic else BLOCKS["mnist"].format(data_dir=settings.data_dir))
 

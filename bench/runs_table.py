@@ -84,6 +84,7 @@ def run_plan(runs, done, settings, out_dir, failed_collectives):
     """Run what is not done (done: earlier ok rows by run id, kept), but not those whose collective failed
     ({n: why}); returns every row, in plan order."""
     todo, fresh, t0 = [r for r in runs if r.run_id not in done], {}, time.monotonic()
+    estimates = [plan.estimate_s(r, settings) for r in todo]  # what is left: theirs, at the pace of those done
 
     def rows():  # in plan order, then the earlier ones outside the plan (a resumed sweep with fewer modes)
         ids = [r.run_id for r in runs] + [i for i in done if i not in {r.run_id for r in runs}]
@@ -92,7 +93,8 @@ def run_plan(runs, done, settings, out_dir, failed_collectives):
     for i, run in enumerate(todo, 1):
         tag = f"[{i}/{len(todo)}] {run.mode} n={run.n} ({'processes' if settings.cpu else 'GPUs'}) {run.run_id}"
         elapsed = time.monotonic() - t0
-        left = f", about {timedelta(seconds=round(elapsed / (i - 1) * (len(todo) - i + 1)))} left" if i > 1 else ""
+        pace = elapsed / sum(estimates[:i - 1]) if i > 1 else None  # seconds taken per second estimated
+        left = f", about {timedelta(seconds=round(pace * sum(estimates[i - 1:])))} left at this pace" if pace else ""
         print(f"{tag}: start, elapsed {timedelta(seconds=round(elapsed))}{left}", flush=True)
         broken = failed_collectives.get(run.n) if MODES[run.mode].collective else None
         why = f"not run: the all-reduce at n = {run.n} failed before the sweep: {broken}"

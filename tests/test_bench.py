@@ -16,8 +16,8 @@ from bench.commands import commands
 from bench.scripts import MODES
 
 AVAILABLE = [m for m in MODES if not plan.unavailable_reason(m)]  # 08 until it is written
-B = 16  # a small per-GPU batch and 6 steps (> the scripts' 5 warm-up steps): quick runs on a busy CPU
-TINY = ["--max-steps", "6", "--per-gpu-batch", B, "--test-batch-size", "1000"]
+B = 16  # a small per-GPU batch and 6 steps at n = 2 (> the scripts' 5 warm-up steps): quick runs on a busy CPU
+TINY = ["--max-steps", "12", "--per-gpu-batch", B, "--test-batch-size", "1000"]
 
 
 def harness(*args, env=None, timeout=600):
@@ -258,9 +258,9 @@ def test_the_plots_ideal_line_and_the_reports_text_say_which_reference(monkeypat
     assert ("E(n) = X(n) / (n X(01)): n GPUs" in text) == (device_type == "cuda")
 
 
-def test_the_default_cpu_sweep_runs_each_mode_once_in_about_7_minutes(tmp_path, monkeypatch, capsys):
+def test_the_default_cpu_sweep_runs_each_mode_once_with_the_same_images_in_each_epoch(tmp_path, monkeypatch, capsys):
     """Without GPUs: 01 and 02 at n = 1, the process-group modes at n = 2 only (their n = 1 left out, saying why;
-    --cpu 1 runs them); the planned time of the default epochs and steps on 2 cores is at most 7 minutes."""
+    --cpu 1 runs them); at n = 2 each epoch has half the steps of n = 1 at twice the batch: the same images."""
     monkeypatch.setattr(run_all.machine, "gpus", lambda: [])
     monkeypatch.setattr(run_all.machine, "cpu_cores", lambda: 2)
     assert run_all.main(["--dry-run", "--synthetic", "--out", str(tmp_path / "out")]) == 0
@@ -271,9 +271,11 @@ def test_the_default_cpu_sweep_runs_each_mode_once_in_about_7_minutes(tmp_path, 
     assert planned == [f"{m}-n1-b64-r1" for m in singles] + [f"{m}-n2-b64-r1" for m in AVAILABLE if m not in singles]
     for mode in set(AVAILABLE) - {"single", "dp", "ddp_multinode"}:
         assert f"left out: {MODES[mode].script} at n = 1 (a CPU sweep to n > 1" in out, mode
-    minutes = int(out.splitlines()[0].split("roughly ")[1].split(" min")[0])
-    assert minutes <= 7, out.splitlines()[0]
     defaults = run_all.DEFAULTS["cpu"]
+    for line in (line for line in out.splitlines() if "-b64-r1: " in line):
+        n, argv = int(line.split("-n")[1].split("-")[0]), line.split()
+        steps = int(argv[argv.index("--max-steps") + 1])
+        assert steps * n == defaults["max_steps"], line  # steps of n x 64 images
     settings = dataclasses.replace(gpu_settings([]), max_n=1, **{k: defaults[k] for k in ("epochs", "max_steps")})
     runs, _ = plan.plan(settings, MODES, [("base", [])], repeats=1)
     assert {r.mode for r in runs} == set(AVAILABLE) - {"ddp_multinode"}  # --cpu 1: every mode at n = 1
