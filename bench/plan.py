@@ -6,9 +6,11 @@ import os
 
 from bench.scripts import MODES, REPO
 
-# The estimate before a sweep: start-up and data, one evaluation of 10,000 images per epoch, then training at 01's
-# speed on a quiet 2-core AMD EPYC VM (real MNIST; n CPU processes share its cores: the same total) or an H200.
-START_S, EVAL_S, SAMPLES_PER_S = 5, dict(cpu=1.2, gpu=0.2), dict(cpu=2300, gpu=25000)
+# The estimate before a sweep: start-up (imports, data), one evaluation of 10,000 images per epoch, then training at
+# 01's speed, as measured on a quiet 2-core AMD EPYC VM (results/cpu-2core-amd-epyc; n CPU processes share its
+# cores: the same total) and on one H200 (results/1x-nvidia-h200-gpu-check). Other machines differ: see run_plan.
+START_S, EVAL_S, SAMPLES_PER_S = dict(cpu=18, gpu=10), dict(cpu=4, gpu=0.2), dict(cpu=850, gpu=25000)
+REFERENCE = dict(cpu="a quiet 2-core VM", gpu="an H200")
 TIMEOUT_FACTOR, TIMEOUT_SLACK_S = 5, 120  # a run's bound: 5 x its estimate + 2 minutes (CUDA start-up, imports)
 
 
@@ -73,8 +75,8 @@ def left_out_at(name, n, settings):
         return mode.why
     if settings.cpu and n == 1 < settings.max_n and mode.launch not in ("python", "dp"):
         # On 01's own cores its n = 1 run shows only the wrapper's cost, and five of them would add about
-        # 3 minutes to the 7 of the default CPU sweep.
-        return "a CPU sweep to n > 1 runs the process-group modes at n > 1 only, to stay near 7 min; " \
+        # 8 minutes to the 15 of the default CPU sweep on a 2-core VM.
+        return "a CPU sweep to n > 1 runs the process-group modes at n > 1 only, to stay short; " \
                "--cpu 1 runs them at n = 1"
     return None
 
@@ -108,7 +110,7 @@ def estimate_s(run, settings):
     steps = min(math.ceil(60000 / (run.n * run.per_device_batch)), steps_per_epoch(run, settings) or math.inf)
     device = "cpu" if settings.cpu else "gpu"
     speed = SAMPLES_PER_S[device] * ideal_speedup(run.n, settings.cpu)
-    return START_S + settings.epochs * (EVAL_S[device] + steps * run.n * run.per_device_batch / speed)
+    return START_S[device] + settings.epochs * (EVAL_S[device] + steps * run.n * run.per_device_batch / speed)
 
 
 def timeout_s(run, settings):

@@ -281,6 +281,21 @@ def test_the_default_cpu_sweep_runs_each_mode_once_with_the_same_images_in_each_
     assert {r.mode for r in runs} == set(AVAILABLE) - {"ddp_multinode"}  # --cpu 1: every mode at n = 1
 
 
+def test_the_estimate_before_the_default_cpu_sweep_is_within_a_fifth_of_the_committed_sweeps_time():
+    """results/cpu-2core-amd-epyc is the default CPU sweep of a quiet 2-core VM (the same runs, epochs and steps):
+    the estimate that run_all prints before a sweep must agree with what that sweep took."""
+    committed = read_runs(ROOT / "results" / "cpu-2core-amd-epyc").set_index("run_id")
+    defaults = run_all.DEFAULTS["cpu"]
+    settings = dataclasses.replace(gpu_settings([]), max_n=defaults["processes"], cores=2, per_device_batches=[64],
+                                   synthetic=False, **{k: defaults[k] for k in ("epochs", "max_steps")})
+    runs, _ = plan.plan(settings, MODES, [("base", [])], repeats=1)
+    assert sorted(r.run_id for r in runs) == sorted(committed.index)
+    for run in runs:
+        assert committed.loc[run.run_id, "steps"] == settings.epochs * plan.steps_per_epoch(run, settings), run
+    estimate = sum(plan.estimate_s(run, settings) for run in runs)
+    assert 0.8 < estimate / committed["wall_s"].sum() < 1.25, (estimate, committed["wall_s"].sum())
+
+
 def test_a_gpu_sweep_counts_a_run_that_trained_on_the_cpu_as_failed():
     settings = gpu_settings(["0"])
     assert runs_table.status(0, False, {"device_type": "cuda"}, settings, 600) == ("ok", "")
