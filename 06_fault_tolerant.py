@@ -206,27 +206,27 @@ def evaluate(net, data, indices, args, world):
     return dict(test_loss=loss_sum / count, test_accuracy=correct / count, test_samples=int(count))
 
 
-def save_snapshot(path, world, net, optimizer, scheduler, epoch, step):  # 06
-    """All an exact resume needs: weights, optimizer, schedule, position and every rank's RNG."""
+def save_snapshot(path, world, net, optimizer, scheduler, epoch, step, layout):  # 06
+    """All an exact resume needs: weights, optimizer, schedule, position, RNGs, the data layout."""
     rngs = [None] * world.world_size
     accelerator = None if world.device.type == "cpu" else torch.get_device_module(world.device)
     gpu = accelerator and accelerator.get_rng_state()  # each rank draws its own dropout masks
     dist.all_gather_object(rngs, (torch.get_rng_state(), gpu))
     if world.is_main:
-        state = dict(model=net.state_dict(), optimizer=optimizer.state_dict(),
-                     scheduler=scheduler.state_dict(), epoch=epoch, step=step, rngs=rngs)
+        state = dict(model=net.state_dict(), optimizer=optimizer.state_dict(), epoch=epoch,
+                     scheduler=scheduler.state_dict(), step=step, rngs=rngs, layout=layout)
         torch.save(state, f"{path}.tmp")
         os.replace(f"{path}.tmp", path)  # a kill during the save leaves the last snapshot whole
 
 
-def resume(path, world, net, optimizer, scheduler):  # 06
+def resume(path, world, net, optimizer, scheduler, layout):  # 06
     """(epoch, step) to go on from, (1, 0) with no snapshot. Every rank says what its path holds; if
     all see the same, all resume rank 0's copy, so one state. Otherwise all stop, in one line."""
     state = seen = None
     if path and os.path.exists(path):
         try:
             state = torch.load(path, map_location="cpu")
-            seen = (state["epoch"], state["step"], len(state["rngs"]))
+            seen = (state["epoch"], state["step"], state["layout"])
         except Exception as e:
             seen = f"snapshot {path} could not be loaded ({type(e).__name__}); move it away"
     views = [None] * world.world_size
@@ -241,8 +241,8 @@ def resume(path, world, net, optimizer, scheduler):  # 06
                  "must be on a path every node sees")
     if seen is None:
         return 1, 0
-    if seen[2] != world.world_size:
-        sys.exit(f"error: snapshot {path} is from world size {seen[2]}, not {world.world_size}")
+    if seen[2] != layout:  # with another batch size, seed or world size a step has other images
+        sys.exit(f"error: snapshot {path} is from {seen[2]}, not {layout}: match it or move it")
     dist.broadcast_object_list(sent := [state], src=0)  # all resume what rank 0 read: one state
     state = sent[0]
     net.load_state_dict(state["model"])
@@ -275,12 +275,14 @@ def run(args, world):
     model = DDP(net)  # DDP: averages the gradients of all ranks in backward()
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    layout = (f"world size {world.world_size}, --batch-size {args.batch_size}, --seed {args.seed}, "
+              f"{steps} steps an epoch")  # 06: which images each step of each rank takes
 
     def save(epoch, step):  # 06: an epoch's last step is kept after its test, as (epoch + 1, 0)
         if args.snapshot and step < steps:
-            save_snapshot(args.snapshot, world, net, optimizer, scheduler, epoch, step)
+            save_snapshot(args.snapshot, world, net, optimizer, scheduler, epoch, step, layout)
 
-    first_epoch, first_step = resume(args.snapshot, world, net, optimizer, scheduler)  # 06
+    first_epoch, first_step = resume(args.snapshot, world, net, optimizer, scheduler, layout)  # 06
     if first_epoch > args.epochs:  # 06
         if world.is_main:
             print(f"{args.snapshot} has all {args.epochs} epochs: nothing to do", file=sys.stderr)

@@ -166,11 +166,17 @@ def test_the_last_snapshot_follows_the_outputs_and_a_finished_job_has_nothing_to
     before = {path: path.read_bytes() for path in out.iterdir()}
     result = run(torchrun_06(out, quick_mnist_dir))
     assert "nothing to do" in result.stderr
-    one = by_hand(1, "--data-dir", quick_mnist_dir, "--snapshot", out / "snapshot.pt")[0]
+    saved = "world size 2, --batch-size 32, --seed 1, 20 steps an epoch"
+    one = by_hand(1, "--data-dir", quick_mnist_dir, "--snapshot", out / "snapshot.pt", *TRAIN)[0]
     returncode, _, stderr = one.finish(60, "one process given a snapshot of two")
     assert returncode == 1 and error_lines(stderr) == [
-        f"error: snapshot {out / 'snapshot.pt'} is from world size 2, not 1"], stderr
+        f"error: snapshot {out / 'snapshot.pt'} is from {saved}, not {saved.replace('size 2', 'size 1')}: "
+        "match it or move it"], stderr
     assert "Traceback" not in stderr
+    other_batch = run(torchrun_06(out, quick_mnist_dir, "--batch-size", 16), check=False)  # same step, other images
+    assert other_batch.returncode != 0 and (  # each rank says it: their lines may interleave
+        f"error: snapshot {out / 'snapshot.pt'} is from {saved}, not {saved.replace('32', '16')}: "
+        "match it or move it") in other_batch.stderr, other_batch.stderr
     assert {path: path.read_bytes() for path in out.iterdir()} == before
 
 
