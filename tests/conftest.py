@@ -13,6 +13,7 @@ from bench.fake_mnist import write_fake_mnist  # noqa: E402  (a learnable MNIST 
 from bench.machine import free_port  # noqa: E402,F401  (the harness's, for the tests' own jobs)
 from bench.scripts import load_script  # noqa: E402,F401  (a numbered script as a module, to call its functions)
 from bench.commands import TORCHRUN, launch  # noqa: E402,F401  (bench's torchrun; a mode's command)
+from bench.processes import stop  # noqa: E402  (ends a command's whole process group)
 from bench.scripts import MODES  # noqa: E402  (the table of modes: script, launcher, batch rule)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,9 +76,18 @@ CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def run(command, timeout=180, env=None, check=True, **popen):
-    """Run a command from the repository root; a hang fails the test instead of CI."""
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **CPU_ONLY, **(env or {})}, **popen)
+    """Run a command from the repository root; a hang fails the test instead of CI, and ends every process of
+    the command (a torchrun or spawn parent killed alone would leave its workers using the CPU)."""
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True, **popen,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **CPU_ONLY, **(env or {})}) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop([proc])
+            proc.communicate()
+            raise
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     if check:
         assert result.returncode == 0, f"{command} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
         assert "Traceback" not in result.stderr, result.stderr
