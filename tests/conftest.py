@@ -71,6 +71,14 @@ def fake_command(bin_dir, name, answers):
     return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
 
 
+def without_linux_only(tmp_path, root=ROOT):
+    """The environment of a run in which the code under root cannot use what only Linux has (the hook in
+    tests/no_linux_only), and the file to which each process of the run writes its pid and what it runs."""
+    hook, log = Path(__file__).resolve().parent / "no_linux_only", Path(tmp_path) / "hooked.txt"
+    path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
+    return dict(PYTHONPATH=path, HIDDEN_FROM=str(root), HIDDEN_LOG=str(log)), log
+
+
 # Tests see the CPU only, so that `pytest` checks the same behaviour on a GPU machine (tests marked gpu excepted).
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import fake_command, run
+from conftest import fake_command, run, without_linux_only
 from bench import checks, doctor, measurements, runs_table
 from bench.processes import KILL_GRACE_S
 from bench.scripts import MODES
@@ -32,8 +32,11 @@ def rows_by_check(report):
 
 @pytest.fixture(scope="module")
 def ready(tmp_path_factory):
-    """The whole doctor once: every check, the collective at n = 2 (gloo), a training run of each mode."""
-    return doctor_run(tmp_path_factory.mktemp("ready"))
+    """The whole doctor once: every check, the collective at n = 2 (gloo), a training run of each mode, all of it
+    unable to use what only Linux has, as on macOS and Windows; (result, JSON, seconds, each process's program)."""
+    tmp = tmp_path_factory.mktemp("ready")
+    env, log = without_linux_only(tmp)
+    return *doctor_run(tmp, env=env), [line.split(" ", 1)[1] for line in log.read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,7 @@ def broken(tmp_path_factory):
 
 @pytest.mark.slow
 def test_the_doctor_finds_this_cpu_machine_ready_with_every_check_in_one_table(ready):
-    result, report, seconds = ready
+    result, report, seconds, _ = ready
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     rows = rows_by_check(report)
@@ -63,6 +66,17 @@ def test_the_doctor_finds_this_cpu_machine_ready_with_every_check_in_one_table(r
         assert any(line.startswith(r["check"]) and f" {r['status']} " in line for line in table), r
     assert table[-1].startswith("READY") and report["ready"] is True
     print(f"the doctor took {seconds:.0f} s")
+
+
+@pytest.mark.slow
+def test_every_script_the_doctor_trains_runs_without_what_only_linux_has(ready):
+    """The doctor trains with the sweep's commands: each numbered script under its launcher, on MNIST files (where
+    a download lock would be), the hook in every process, the launchers' and the workers' alike."""
+    _, report, _, programs = ready
+    rows = rows_by_check(report)
+    for mode in MODES.values():
+        assert rows[f"train {mode.script[:2]} {mode.name}"]["status"] == "ok" and mode.script in programs, mode
+    assert programs.count("03_ddp_launch.py") == 2 and "-c" in programs, programs  # torchrun's workers, spawn's
 
 
 def test_a_broken_collective_fails_fast_naming_the_collective_and_the_fix(broken):

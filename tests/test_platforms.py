@@ -1,15 +1,14 @@
 """Every machine a reader has. The scripts take CUDA, MPS, XPU or the CPU through torch.accelerator: this machine
 has no accelerator, so stand-ins play each one (torch.accelerator answering as on that machine, no device touched).
-And no call that only Linux has: every numbered script and the harness run here with what Windows lacks hidden
-from the repository's own code (fcntl, resource, os.sched_getaffinity), and the machine label is worked out as
-macOS and Windows would."""
+And no call that only Linux has: the harness plans a sweep here, and the doctor trains every numbered script
+(tests/test_doctor.py), with what Windows lacks hidden from the repository's own code (fcntl, resource,
+os.sched_getaffinity); the machine label is worked out as macOS and Windows would."""
 import io
 import os
 import re
 import runpy
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import torch.distributed as dist
 import torchvision  # noqa: F401  (it imports torch._dynamo, which reads what stand_in replaces: first)
 
 from bench import machine, processes
-from conftest import MODES, ROOT, launcher_env, load_script, run, script_command
+from conftest import ROOT, launcher_env, load_script, run, without_linux_only
 
 CPU = torch.device("cpu")
 # Started by torchrun, they count the GPUs in setup(); 04 and 05 count them once, in the parent's parse_args().
@@ -267,47 +266,6 @@ def test_without_the_os_tool_the_label_is_what_platform_knows(no_linux, monkeypa
 
 # ---- No call that only Linux has: what Windows lacks, hidden from the repository's code (torch keeps its own).
 
-HIDE_LINUX_ONLY = '''
-"""Put on PYTHONPATH: code under $HIDDEN_FROM (outside site-packages) cannot import fcntl or resource, as on
-Windows, and no process has os.sched_getaffinity (macOS and Windows have none). Each process writes its pid to
-$HIDDEN_LOG, so that a test knows the hook ran."""
-import builtins, importlib.abc, os, sys
-
-ROOT = os.path.abspath(os.environ["HIDDEN_FROM"])
-with open(os.environ["HIDDEN_LOG"], "a") as log:
-    log.write(f"{os.getpid()}\\n")
-
-
-LINUX_ONLY = ("fcntl", "resource")
-
-
-def refuse(name, filename):
-    path = os.path.abspath(filename or "")
-    if path.startswith(ROOT + os.sep) and "site-packages" not in path:
-        raise ModuleNotFoundError(f"No module named {name!r} (as on Windows): imported by {path}", name=name)
-
-
-def import_(name, globals=None, locals=None, fromlist=(), level=0, real=builtins.__import__):
-    if level == 0 and name.partition(".")[0] in LINUX_ONLY:  # a statement, even of a module torch loaded already
-        refuse(name, (globals or {}).get("__file__"))
-    return real(name, globals, locals, fromlist, level)
-
-
-class Finder(importlib.abc.MetaPathFinder):  # importlib.import_module(name) of a module not loaded yet
-    def find_spec(self, name, path=None, target=None):
-        frame = sys._getframe(1) if name in LINUX_ONLY else None
-        while frame and frame.f_globals.get("__name__", "").startswith(("importlib", "_frozen_importlib")):
-            frame = frame.f_back
-        if frame:
-            refuse(name, frame.f_globals.get("__file__"))
-        return None
-
-
-builtins.__import__ = import_
-sys.meta_path.insert(0, Finder())
-del os.sched_getaffinity
-'''
-
 PROBE = '''
 import importlib, os, torch  # torch imports fcntl for itself
 for attempt in ["import fcntl", "from resource import getrlimit", "importlib.import_module('resource')"]:
@@ -318,19 +276,7 @@ for attempt in ["import fcntl", "from resource import getrlimit", "importlib.imp
         print("refused:", attempt)
 print("sched_getaffinity:", hasattr(os, "sched_getaffinity"))
 '''
-# On real files, not --synthetic: loading them is where a download lock (fcntl on Linux) would be.
-SHORT_RUN = ["--max-steps", 2, "--epochs", 1, "--test-batch-size", 1000]
-MODE_OF = {mode.script: mode for mode in MODES.values()}
-NUMBERED = [name for name in sorted(MODE_OF) if (ROOT / name).exists()]
-
-
-def without_linux_only(tmp_path, root=ROOT):
-    """The environment of a run with the hook on, and the file each hooked process writes its pid to."""
-    (tmp_path / "hook").mkdir(exist_ok=True)
-    (tmp_path / "hook" / "sitecustomize.py").write_text(textwrap.dedent(HIDE_LINUX_ONLY))
-    log = tmp_path / "hooked.txt"
-    path = os.pathsep.join(filter(None, [str(tmp_path / "hook"), os.environ.get("PYTHONPATH")]))
-    return dict(PYTHONPATH=path, HIDDEN_FROM=str(root), HIDDEN_LOG=str(log)), log
+# Every numbered script runs under this hook in the doctor's training runs (tests/test_doctor.py).
 
 
 def test_the_hook_refuses_what_windows_lacks_to_the_repositorys_code_only(tmp_path):
@@ -340,18 +286,7 @@ def test_the_hook_refuses_what_windows_lacks_to_the_repositorys_code_only(tmp_pa
     said = run([sys.executable, str(tmp_path / "repo" / "probe.py")], env=env, timeout=120).stdout.splitlines()
     assert said == ["refused: import fcntl", "refused: from resource import getrlimit",
                     "refused: importlib.import_module('resource')", "sched_getaffinity: False"]
-    assert len(log.read_text().split()) == 1
-
-
-@pytest.mark.parametrize("name", NUMBERED)
-def test_every_script_runs_without_what_only_linux_has(name, quick_mnist_dir, tmp_path):
-    env, log = without_linux_only(tmp_path)
-    launch = MODE_OF[name].launch
-    extra = {"multinode": ["-n", 1, "-g", 1, "--nr", 0, "--master-port", machine.free_port()]}.get(launch, [])
-    nprocs = None if launch in ("python", "dp", "multinode") else 1
-    run(script_command(name, "--data-dir", quick_mnist_dir, *SHORT_RUN, *extra, nprocs=nprocs), env=env, timeout=240)
-    launcher_and_worker = launch in ("torchrun", "spawn", "multinode")
-    assert len(log.read_text().split()) >= 1 + launcher_and_worker  # the hook was in every process
+    assert len(log.read_text().splitlines()) == 1
 
 
 def test_the_harness_plans_a_sweep_without_what_only_linux_has(tmp_path, monkeypatch):
