@@ -296,6 +296,27 @@ def test_the_estimate_before_the_default_cpu_sweep_is_within_a_fifth_of_the_comm
     assert 0.8 < estimate / committed["wall_s"].sum() < 1.25, (estimate, committed["wall_s"].sum())
 
 
+def test_the_time_left_during_a_sweep_is_the_estimates_left_at_the_pace_of_the_runs_done(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """This machine took twice its estimates: the time left is twice the estimates left, whatever the runs' sizes
+    (the n = 2 runs of a CPU sweep train as many images as 01, with twice the processes to start)."""
+    settings = dataclasses.replace(gpu_settings([]), max_n=2, epochs=3, max_steps=300, cores=2)
+    runs, _ = plan.plan(settings, ["single", "ddp_launch", "ddp_spawn"], [("base", [])], repeats=1)
+    runs = runs + [dataclasses.replace(runs[-1], per_device_batch=512)]  # a run of another size
+    clock = [0.0]
+    monkeypatch.setattr(runs_table.time, "monotonic", lambda: clock[0])
+
+    def twice_its_estimate(run, settings, out_dir):
+        clock[0] += 2 * plan.estimate_s(run, settings)
+        return dict(dataclasses.asdict(run), run_id=run.run_id, status="ok", samples_per_s=1, test_accuracy=1)
+    monkeypatch.setattr(runs_table, "run_one", twice_its_estimate)
+    monkeypatch.setattr(runs_table, "write_runs", lambda out_dir, rows: None)
+    runs_table.run_plan(runs, {}, settings, str(tmp_path), {})
+    said = [line.split("about ")[1].split(" left")[0] for line in capsys.readouterr().out.splitlines() if "left" in line]
+    estimates = [plan.estimate_s(run, settings) for run in runs]
+    assert said == [str(runs_table.timedelta(seconds=round(2 * sum(estimates[i:])))) for i in range(1, len(runs))]
+
+
 def test_a_gpu_sweep_counts_a_run_that_trained_on_the_cpu_as_failed():
     settings = gpu_settings(["0"])
     assert runs_table.status(0, False, {"device_type": "cuda"}, settings, 600) == ("ok", "")
