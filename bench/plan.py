@@ -10,7 +10,7 @@ from bench.scripts import MODES, REPO
 # 01's speed, as measured on a quiet 2-core AMD EPYC VM (results/cpu-2core-amd-epyc; n CPU processes share its
 # cores: the same total) and on one H200 (results/1x-nvidia-h200-gpu-check). Other machines differ: see run_plan.
 START_S, EVAL_S, SAMPLES_PER_S = dict(cpu=18, gpu=10), dict(cpu=4, gpu=0.2), dict(cpu=850, gpu=25000)
-REFERENCE = dict(cpu="a quiet 2-core VM", gpu="an H200")
+ESTIMATED_ON = dict(cpu="a quiet 2-core VM", gpu="an H200")  # what the estimate printed assumes
 TIMEOUT_FACTOR, TIMEOUT_SLACK_S = 5, 120  # a run's bound: 5 x its estimate + 2 minutes (CUDA start-up, imports)
 
 

@@ -84,7 +84,7 @@ def run_plan(runs, done, settings, out_dir, failed_collectives):
     """Run what is not done (done: earlier ok rows by run id, kept), but not those whose collective failed
     ({n: why}); returns every row, in plan order."""
     todo, fresh, t0 = [r for r in runs if r.run_id not in done], {}, time.monotonic()
-    estimates = [plan.estimate_s(r, settings) for r in todo]  # what is left: theirs, at the pace of those done
+    estimates = [plan.estimate_s(r, settings) for r in todo]  # the time left: theirs, at the pace of the runs done
 
     def rows():  # in plan order, then the earlier ones outside the plan (a resumed sweep with fewer modes)
         ids = [r.run_id for r in runs] + [i for i in done if i not in {r.run_id for r in runs}]
