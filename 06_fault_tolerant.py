@@ -88,8 +88,7 @@ def parse_args(argv=None):
     p.add_argument("--no-dropout", action="store_true", help="for exact comparisons of modes")
     p.add_argument("--save-model", type=writable, metavar="PATH", help="save the weights here")
     p.add_argument("--metrics-json", type=writable, metavar="PATH", help="write the record here")
-    # 06: what a restart resumes from, and how long a lost peer may keep the others waiting
-    p.add_argument("--snapshot", type=writable, metavar="PATH", help="saved, and resumed from")
+    p.add_argument("--snapshot", type=writable, metavar="PATH", help="saved and resumed from")  # 06
     p.add_argument("--snapshot-every", type=in_range(0), default=0, help="also every N steps")
     p.add_argument("--timeout", type=in_range(1, cast=float), default=300,
                    help="seconds that any wait for the others or torchrun's store may last")
@@ -100,17 +99,15 @@ def parse_args(argv=None):
 
 
 def lost(error):  # 06: the errors we can explain; any other is a bug and keeps its traceback
-    """A lost peer or a passed --timeout: torch's distributed errors (the store's timeout is a
-    DistStoreError), and gloo's, a plain RuntimeError whose message starts with the place in gloo's
-    transport that saw it: "[.../gloo/transport/tcp/pair.cc:561] Connection closed by peer ..."."""
+    """A lost peer or a passed --timeout: torch's distributed errors (the store's too) and gloo's
+    RuntimeError, which starts where gloo saw it: "[.../gloo/transport/tcp/pair.cc:561] ..."."""
     known = (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError)
     return isinstance(error, known) or "/gloo/transport/" in str(error).split("]")[0]
 
 
 def attempt_store(args, rank):  # 06
-    """torchrun's agent keeps one store across restarts, holding the dead attempt's keys, and counts
-    restarts per node (TORCHELASTIC_RESTART_COUNT differs between nodes). Keys under a prefix that
-    every rank agrees on, how often this rank has started, keep the attempts apart."""
+    """torchrun's agent keeps one store, with dead attempts' keys, over the restarts it counts per
+    node: a prefix all ranks agree on (how often this rank started) keeps the attempts apart."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None  # no agent store: init_process_group makes a fresh one
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
@@ -277,7 +274,6 @@ def run(args, world):
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     layout = (f"world size {world.world_size}, --batch-size {args.batch_size}, --seed {args.seed}, "
               f"{steps} steps an epoch")  # 06: which images each step of each rank takes
-
     def save(epoch, step):  # 06: an epoch's last step is kept after its test, as (epoch + 1, 0)
         if args.snapshot and step < steps:
             save_snapshot(args.snapshot, world, net, optimizer, scheduler, epoch, step, layout)
@@ -390,4 +386,8 @@ if __name__ == "__main__":
         stage = "stopped" if dist.is_initialized() else "could not join the others"
         sys.exit(f"error: rank {os.environ['RANK']} {stage} (a peer lost, or --timeout passed): "
                  f"{(str(e) or type(e).__name__).splitlines()[0]}")
+    except SystemExit:  # 06: after an error line the group ends before Python does, or its
+        if dist.is_initialized():  # threads may outlive it and abort the exit (SIGABRT)
+            dist.destroy_process_group()
+        raise
     dist.destroy_process_group()  # DDP
