@@ -47,7 +47,7 @@ def commands(run, settings, metrics_path, snapshot_path):
     argv = launch(mode, mode.script, n) + {
         "dp": [] if settings.cpu else ["--gpus", ",".join(map(str, range(n)))],
         "spawn": ["--master-port", free_port()],
-        "lightning": ["--strategy", "ddp", "--accelerator", "cpu" if settings.cpu else "gpu"]}.get(mode.launch, [])
+        "lightning": ["--strategy", "ddp", "--accelerator", settings.kind]}.get(mode.launch, [])
     if mode.launch != "multinode":
         return [(visible(settings.gpus[:n]), [str(a) for a in argv + common])]
     port, half = free_port(), n // 2

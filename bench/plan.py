@@ -34,6 +34,10 @@ class Settings:
     def cpu(self):
         return not self.gpus
 
+    @property
+    def kind(self):  # the keys of the estimate's figures and of Lightning's --accelerator
+        return "cpu" if self.cpu else "gpu"
+
     def comparable(self):
         """The settings that change results (timeout and target do not): a resumed sweep must match them."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("timeout", "target_acc")}
@@ -108,9 +112,9 @@ def steps_per_epoch(run, settings):
 def estimate_s(run, settings):
     """Rough seconds of one run: MNIST has 60,000 training images."""
     steps = min(math.ceil(60000 / (run.n * run.per_device_batch)), steps_per_epoch(run, settings) or math.inf)
-    device = "cpu" if settings.cpu else "gpu"
-    speed = SAMPLES_PER_S[device] * ideal_speedup(run.n, settings.cpu)
-    return START_S[device] + settings.epochs * (EVAL_S[device] + steps * run.n * run.per_device_batch / speed)
+    kind = settings.kind
+    speed = SAMPLES_PER_S[kind] * ideal_speedup(run.n, settings.cpu)
+    return START_S[kind] + settings.epochs * (EVAL_S[kind] + steps * run.n * run.per_device_batch / speed)
 
 
 def timeout_s(run, settings):

@@ -183,7 +183,7 @@ def print_plan(runs, done, settings, left_out, out_dir):
     todo = [r for r in runs if r.run_id not in done]
     minutes = (sum(plan.estimate_s(r, settings) for r in todo) + 10 + 15 * (settings.max_n > 1)) / 60
     print(f"{len(runs)} runs planned, {len(runs) - len(todo)} already done (--resume), {len(todo)} to do; "
-          f"roughly {minutes:.0f} min on {plan.ESTIMATED_ON['cpu' if settings.cpu else 'gpu']} (a guess before "
+          f"roughly {minutes:.0f} min on {plan.ESTIMATED_ON[settings.kind]} (a guess before "
           f"anything ran; after each run, the time left at this machine's pace); results in {out_dir}", flush=True)
     for run in todo:
         print(f"  {run.run_id}: {as_typed(commands(run, settings, 'metrics.json', 'snapshot.pt'), settings.cpu)}")
