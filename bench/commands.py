@@ -5,10 +5,9 @@ import sys
 
 from bench.machine import free_port
 from bench.plan import steps_per_epoch
-from bench.scripts import MODES, REPO
+from bench.family import MODES, REPO
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-COUNT_FLAGS = {"spawn": "--nprocs", "lightning": "--devices"}  # where the script itself takes n
 
 
 def repo_relative(path):
@@ -25,16 +24,16 @@ def visible(gpus):
 
 def launch(mode, script_path, n=None, launcher=()):
     """The command up to the script's flags; n None: its default count (torchrun: 1); launcher: torchrun's options."""
-    if mode.launch == "torchrun":
+    if mode.launch.torchrun:
         return [*TORCHRUN, "--standalone", "--nproc_per_node", str(n or 1), *map(str, launcher), str(script_path)]
-    count = [COUNT_FLAGS[mode.launch], str(n)] if n and mode.launch in COUNT_FLAGS else []
+    count = [mode.launch.count_flag, str(n)] if n and mode.launch.count_flag else []
     return [sys.executable, str(script_path), *count]
 
 
 def commands(run, settings, metrics_path, snapshot_path):
     """[(environment, argv)] of one run: one command, or two for the two "nodes" of 05 on this host."""
     mode, n = MODES[run.mode], run.n
-    common = ["--batch-size", mode.loader_batch(run.per_device_batch, n), "--epochs", settings.epochs,
+    common = ["--batch-size", mode.batch.loader_batch(run.per_device_batch, n), "--epochs", settings.epochs,
               "--test-batch-size", settings.test_batch_size, "--seed", settings.seed + run.repeat - 1,
               "--metrics-json", repo_relative(metrics_path)]
     common += ["--max-steps", steps_per_epoch(run, settings)] if settings.max_steps else []
@@ -44,15 +43,14 @@ def commands(run, settings, metrics_path, snapshot_path):
     common += ["--cpu", "--threads", max(1, settings.cores // n)] if settings.cpu else []
     common += ["--snapshot", repo_relative(snapshot_path)] if mode.snapshot else []
     common += list(run.flags)
-    argv = launch(mode, mode.script, n) + {
-        "dp": [] if settings.cpu else ["--gpus", ",".join(map(str, range(n)))],
-        "spawn": ["--master-port", free_port()],
-        "lightning": ["--strategy", "ddp", "--accelerator", settings.kind]}.get(mode.launch, [])
-    if mode.launch != "multinode":
+    argv = launch(mode, mode.script, n) + mode.launch.flags(n, settings)
+    nodes = mode.launch.nodes
+    if nodes == 1:
         return [(visible(settings.gpus[:n]), [str(a) for a in argv + common])]
-    port, half = free_port(), n // 2
-    return [(visible(settings.gpus[r * half:(r + 1) * half]), [str(a) for a in argv + [
-        "-n", 2, "-g", half, "--nr", r, "--master-addr", "127.0.0.1", "--master-port", port] + common]) for r in (0, 1)]
+    port, each = free_port(), n // nodes
+    return [(visible(settings.gpus[r * each:(r + 1) * each]), [str(a) for a in argv + [
+        "-n", nodes, "-g", each, "--nr", r, "--master-addr", "127.0.0.1", "--master-port", port] + common])
+        for r in range(nodes)]
 
 
 def as_typed(cmds, cpu):

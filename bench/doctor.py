@@ -25,10 +25,10 @@ import time
 
 if not __package__:  # `python bench/doctor.py`: the package is importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench import checks, machine, measurements, plan, runs_table  # noqa: E402
+from bench import checks, machine, measurements, plan, sweep  # noqa: E402
 from bench.outputs import read_json, write_json  # noqa: E402
-from bench.run_all import BadArgument, Parser, at_least, choose_gpus, int_list  # noqa: E402
-from bench.scripts import MODES, REPO  # noqa: E402
+from bench.flags import CPU_PROCESSES, BadArgument, Parser, add_devices, chosen_gpus  # noqa: E402
+from bench.family import MODES, REPO  # noqa: E402
 
 # A handful of steps past the scripts' 5 warm-up ones, on a tiny MNIST written for the doctor: evaluating 10,000
 # test images would be most of each run's time (30 s instead of 10 s on a 2-core VM).
@@ -53,14 +53,16 @@ def row(check, status, detail, todo=""):
     return dict(check=check, status=status, detail=detail, todo=todo)
 
 
-def parse_args(argv):
+def parser():
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--gpus", type=int_list, help="positions among the visible GPUs, e.g. 0,1 (default: all)")
-    where.add_argument("--cpu", type=at_least(1), metavar="N", help="N CPU processes, gloo (default 2 without GPUs)")
+    add_devices(p)
     p.add_argument("--quick", action="store_true", help="skip the training runs (then about 20 s)")
     p.add_argument("--json", metavar="PATH", help="the table as JSON")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv):
+    args = parser().parse_args(argv)
     if args.json and not writable(args.json):
         raise BadArgument(f"cannot write --json {args.json}: give a file in a folder that exists and is writable")
     return args
@@ -78,7 +80,7 @@ def writable(path):
 def doctor_settings(gpus, args, work):
     """The sweep's settings (its GPUs, its n) with a tiny run of each mode: tiny MNIST in the doctor's folder.
     max_steps counts at n = 1 and n devices take 1/n of it (plan.steps_per_epoch): STEPS at the largest n."""
-    max_n = len(gpus) or args.cpu or 2
+    max_n = len(gpus) or args.cpu or CPU_PROCESSES
     return plan.Settings(
         gpus=[i for i, _ in gpus], max_n=max_n, per_device_batches=[BATCH], epochs=1, max_steps=STEPS * max_n,
         test_batch_size=TEST_IMAGES, seed=1, synthetic=False, data_dir=os.path.join(work, "data"),
@@ -255,7 +257,7 @@ def training_rows(settings, work, failed_n):
             rows.append(row(check, "skip", f"n={run.n}: not run, {why} (fix that first)"))
         else:
             say(f"{check} at n={run.n}")
-            result = runs_table.run_one(run, settings, work)
+            result = sweep.run_one(run, settings, work)
             rows.append(training_row(check, run, result, work))
             hung = hung or (check if result["status"] == "timeout" else None)
     return rows
@@ -282,7 +284,7 @@ def table(rows):
 def main(argv=None):
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        gpus = choose_gpus(args)
+        gpus = chosen_gpus(args)
     except BadArgument as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -4,7 +4,7 @@ import importlib.util
 import math
 import os
 
-from bench.scripts import MODES, REPO
+from bench.family import MODES, REPO
 
 # The estimate before a sweep: start-up (imports, data), one evaluation of 10,000 images per epoch, then training at
 # 01's speed, as measured on a quiet 2-core AMD EPYC VM (results/cpu-2core-amd-epyc; n CPU processes share its
@@ -77,7 +77,7 @@ def left_out_at(name, n, settings):
     mode = MODES[name]
     if not mode.runs_with(n, settings.cpu):
         return mode.why
-    if settings.cpu and n == 1 < settings.max_n and mode.launch not in ("python", "dp"):
+    if settings.cpu and n == 1 < settings.max_n and mode.collective:
         # On 01's own cores its n = 1 run shows only the wrapper's cost, and five of them would add about
         # 8 minutes to the 15 of the default CPU sweep on a 2-core VM.
         return "a CPU sweep to n > 1 runs the process-group modes at n > 1 only, to stay short; " \

@@ -8,13 +8,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from bench.outputs import write_atomically  # noqa: E402
 from bench.plan import ideal_speedup  # noqa: E402
-from bench.report import shares_cores  # noqa: E402
-from bench.scripts import MODES  # noqa: E402
+from bench.report import REFERENCE, shares_cores  # noqa: E402
+from bench.family import MODES  # noqa: E402
 
 
 def draw(path, summary, column, title, ylabel, hardware, xlabel, bars=False, scale=1, ideal=None, empty=""):
     """column x scale against n, a line (or bars) each labelled "03 ddp_launch", [variant] and [B=...] when several."""
-    label = summary["mode"].map(lambda m: f"{MODES[m].script[:2]} {m}")
+    label = summary["mode"].map(lambda m: f"{MODES[m].number} {m}")
     if summary["variant"].nunique() > 1:
         label = label + " [" + summary["variant"] + "]"
     if summary["per_device_batch"].nunique() > 1:
@@ -43,13 +43,14 @@ def write_all(out_dir, summary, hardware, settings):
     xlabel = "n (processes on the CPU)" if settings.cpu else "n (GPUs)"
     hardware += " - synthetic data" if settings.synthetic else ""
     target = f"{settings.target_acc:.2%}"
-    x01 = summary[(summary["mode"] == "single") & (summary["n"] == 1) & (summary["variant"] == "base")]
+    x01 = summary[(summary["mode"] == REFERENCE) & (summary["n"] == 1) & (summary["variant"] == "base")]
     shared = shares_cores(summary).any()  # as the summary's E(n): the same rule, the same reference
     reference = "1 x 01: n processes share 01's cores" if shared else "n x 01"
     ideal = {f"ideal: {reference} [B={b}]": (lambda n, x=x: ideal_speedup(n, shared) * x)
              for b, x in zip(x01["per_device_batch"], x01["samples_per_s"])}
     efficiency = "X(n) / X(01), n processes on 01's cores" if shared else "X(n) / (n X(01))"
-    full = summary.loc[(summary["mode"] == "fsdp") & (summary["n"] == 1), "held_mib"].max()
+    sharded = [name for name, mode in MODES.items() if mode.sharded]
+    full = summary.loc[summary["mode"].isin(sharded) & (summary["n"] == 1), "held_mib"].max()
     plots = [("throughput.png", "Training throughput", "samples_per_s", "throughput (samples/s, all devices)",
               dict(ideal=ideal)),
              ("efficiency.png", f"Scaling efficiency E(n) = {efficiency}", "efficiency", "efficiency (%)",

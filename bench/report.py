@@ -8,7 +8,9 @@ import pandas as pd
 
 from bench.outputs import read_json, write_atomically, write_text
 from bench.plan import ideal_speedup
-from bench.scripts import MODES
+from bench.family import MODES, by_script
+
+REFERENCE = next(name for name, mode in MODES.items() if mode.reference)  # 01: X(01)
 
 BLOCKS = dict(re.findall(r"^<!-- (\w+) -->\n(.*?)\n*(?=^<!-- |\Z)",
                          pathlib.Path(__file__).with_name("report_template.md").read_text(), re.S | re.M))
@@ -42,7 +44,7 @@ def read_and_summarize(out_dir):
 
 def with_01(frame, summary):
     """frame with x01: the samples/s of 01 at n = 1, same variant and per-device batch (NaN where it did not run)."""
-    x01 = summary[(summary["mode"] == "single") & (summary["n"] == 1)]
+    x01 = summary[(summary["mode"] == REFERENCE) & (summary["n"] == 1)]
     x01 = x01[["variant", "per_device_batch", "samples_per_s"]].rename(columns={"samples_per_s": "x01"})
     return frame.merge(x01, on=["variant", "per_device_batch"], how="left")
 
@@ -85,7 +87,7 @@ def allreduce_seconds(env):
 
 def limit_model(summary, allreduce_s):
     """Each multi-device row against its limit (the model is explained in the template's limit block)."""
-    rows = with_01(summary[summary["mode"] != "single"], summary).dropna(subset=["x01"])
+    rows = with_01(summary[summary["mode"] != REFERENCE], summary).dropna(subset=["x01"])
     per_device_batch, n = rows["per_device_batch"], rows["n"]
     t1 = n * per_device_batch / (ideal_speedups(rows) * rows["x01"])  # B / X(01) on GPUs, n B / X(01) on shared cores
     t_ar = n.map(lambda k: 0.0 if k == 1 else allreduce_s.get(k, math.nan))  # NaN: not measured, no limit
@@ -120,10 +122,12 @@ def comparison(block, table, reference, hide, **values):
 
 
 def comparisons(summary, settings, hide):
-    blocks, ddp = [], summary["mode"] == "ddp_launch"
-    for mode in ("ddp_fault_tolerant", "lightning"):
-        table = versus(summary, summary["mode"] == mode, ddp, ["variant", "per_device_batch", "n"])
-        blocks += comparison(mode, table, "03", hide | {"mode"})
+    blocks = []
+    for name, mode in MODES.items():
+        if mode.versus_parent:
+            parent = summary["mode"] == by_script(mode.parent).name
+            table = versus(summary, summary["mode"] == name, parent, ["variant", "per_device_batch", "n"])
+            blocks += comparison(name, table, mode.parent[:2], hide | {"mode"})
     base = summary["variant"] == "base"
     table = versus(summary, ~base, base, ["per_device_batch", "mode", "n"])
     on_synthetic = BLOCKS["variants_on_synthetic"] if settings.synthetic else ""
@@ -135,7 +139,8 @@ def limit_section(summary, env, settings, hide):
     blocks = [BLOCKS["limit"].format(table=markdown(table, LIMIT_VIEW, hide))]
     blocks += [BLOCKS["allreduce_missing"].format(n=n, error=f["error"])
                for n, f in (env.get("allreduce") or {}).items() if f.get("error")]
-    blocks += [BLOCKS["limit_dp"]] if ((table["mode"] == "dp") & (table["n"] > 1)).any() else []
+    blocks += [BLOCKS[MODES[name].limit_note] for name in table.loc[table["n"] > 1, "mode"].unique()
+               if MODES[name].limit_note]
     blocks += [BLOCKS["limit_cpu"].format(cores=settings.cores)] if settings.cpu else []
     return blocks if len(table) else []
 
@@ -156,7 +161,7 @@ def head(env, summary, settings):
     return BLOCKS["head"].format(
         hardware=env["hardware"], devices="processes" if settings.cpu else "GPUs", loader=loader_line(env, summary),
         reference=reference.format(cores=settings.cores),
-        per_process=", ".join(m.script[:2] for m in MODES.values() if m.launch not in ("python", "dp")),
+        per_process=", ".join(m.number for m in MODES.values() if m.collective),
         per_device_batches=", ".join(map(str, settings.per_device_batches)), epochs=settings.epochs,
         steps=settings.max_steps or "all", per_n=BLOCKS["steps_at_n_1"] if settings.max_steps else "",
         test_batch_size=settings.test_batch_size, target_acc=settings.target_acc,

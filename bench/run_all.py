@@ -21,85 +21,44 @@ import tempfile
 
 if not __package__:  # `python bench/run_all.py`: the package is importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench import machine, measurements, plan, runs_table  # noqa: E402
+from bench import machine, measurements, plan, runs_csv, sweep  # noqa: E402
 from bench.commands import as_typed, commands, repo_relative  # noqa: E402
 from bench.fake_mnist import missing_mnist_files  # noqa: E402
+from bench.flags import (CPU_PROCESSES, BadArgument, Parser, add_devices, chosen_gpus,  # noqa: E402
+                         in_range, in_range_list, mode_list, variant)
 from bench.outputs import read_json, write_json  # noqa: E402
 from bench.processes import processes_mentioning  # noqa: E402
-from bench.scripts import MODES, REPO  # noqa: E402
+from bench.family import MODES, REPO  # noqa: E402
 
 RESULTS = os.path.join(REPO, "results")  # each machine's sweeps: results/<label>, then <label>-2, -3...
 
 # On the CPU 3 short epochs of 19,200 images (300 steps at n = 1, 150 at n = 2): on real MNIST every mode passes
 # 98% by the 2nd or 3rd (01 97.6 / 98.2 / 98.5%, DDP 97.1 / 98.1 / 98.4%), so time to target has a point for each.
-DEFAULTS = dict(gpu=dict(epochs=3, max_steps=0), cpu=dict(epochs=3, max_steps=300, processes=2))
+DEFAULTS = dict(gpu=dict(epochs=3, max_steps=0), cpu=dict(epochs=3, max_steps=300, processes=CPU_PROCESSES))
 
 
-class BadArgument(Exception):
-    """Bad input: one line on stderr and exit 2, before anything runs."""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's usage block would hide the one line that matters
-        raise BadArgument(message)
-
-
-def at_least(low, kind=int):
-    def number(text):
-        if kind(text) < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
-        return kind(text)
-    return number
-
-
-def int_list(text):
-    values = [int(v) for v in text.split(",")]
-    if len(set(values)) != len(values) or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected distinct numbers such as 0,1,2, got {text!r}")
-    return values
-
-
-def mode_list(text):
-    """Modes by name or by their script's number (01, 03, ...), in reading order whatever the order given."""
-    numbers = {mode.script[:2]: name for name, mode in MODES.items()}
-    modes = {numbers.get(m.strip(), m.strip()) for m in text.split(",")}
-    if modes - set(MODES):
-        raise argparse.ArgumentTypeError(f"unknown mode {', '.join(sorted(modes - set(MODES)))}: "
-                                         f"choose from {', '.join(MODES)} (or their numbers)")
-    return [m for m in MODES if m in modes]
-
-
-def variant(text):
-    name, sep, flags = text.strip().partition("=")
-    if not sep or not name.isidentifier() or name == "base":
-        raise argparse.ArgumentTypeError(f"expected NAME=\"FLAGS\", NAME of letters, digits and _ (not base), "
-                                         f"got {text!r}")
-    return name, shlex.split(flags)
-
-
-def parse_args(argv):
+def parser():
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     gpu, cpu = DEFAULTS["gpu"], DEFAULTS["cpu"]
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--gpus", type=int_list, help="positions among the visible GPUs, e.g. 0,1,2,3 (default: all)")
-    where.add_argument("--cpu", type=at_least(1), metavar="N",
-                       help=f"1..N CPU processes (default {cpu['processes']} without GPUs)")
-    p.add_argument("--per-gpu-batch", type=int_list, default=[64], metavar="B,...", dest="per_device_batches",
+    add_devices(p)
+    p.add_argument("--per-gpu-batch", type=in_range_list(1), default=[64], metavar="B,...", dest="per_device_batches",
                    help="the batch of each device (GPU or CPU process); each is swept (default 64)")
-    p.add_argument("--epochs", type=at_least(1),
+    p.add_argument("--epochs", type=in_range(1),
                    help=f"epochs per run (default: {gpu['epochs']} on GPUs, {cpu['epochs']} on the CPU)")
-    p.add_argument("--max-steps", type=at_least(0), help="steps per epoch at n = 1, 0: all; n devices take 1/n of "
+    p.add_argument("--max-steps", type=in_range(0), help="steps per epoch at n = 1, 0: all; n devices take 1/n of "
                    f"them, the same images (default: {gpu['max_steps']} on GPUs, {cpu['max_steps']} on the CPU)")
-    p.add_argument("--test-batch-size", type=at_least(1), default=1000)
-    p.add_argument("--seed", type=int, default=1, help="seed of repeat 1; repeat k uses seed + k - 1")
-    p.add_argument("--repeats", type=at_least(1), default=1, metavar="K", help="runs per row; tables show medians")
+    p.add_argument("--test-batch-size", type=in_range(1), default=1000)
+    p.add_argument("--seed", type=in_range(0, 2**32 - 1000), default=1,  # the scripts take seeds below 2**32
+                   help="seed of repeat 1; repeat k uses seed + k - 1")
+    p.add_argument("--repeats", type=in_range(1), default=1, metavar="K", help="runs per row; tables show medians")
     p.add_argument("--modes", type=mode_list, default=list(MODES),
                    help=f"comma-separated from {', '.join(MODES)}, or their numbers (01,03)")
     p.add_argument("--synthetic", action="store_true", help="random MNIST-shaped data: throughput only, no download")
     p.add_argument("--data-dir", default="data", help="torchvision's MNIST folder (default ./data)")
     p.add_argument("--no-download", action="store_true", help="stop if MNIST is not in --data-dir")
-    p.add_argument("--target-acc", type=at_least(0.0, float), default=0.98, help="for time to accuracy (0.98)")
-    p.add_argument("--timeout", type=at_least(1.0, float),
+    p.add_argument("--target-acc", type=in_range(0.0, 1.0, kind=float), default=0.98,
+                   help="for time to accuracy (0.98)")
+    p.add_argument("--timeout", type=in_range(1.0, kind=float),
                    help="seconds before a run is killed (default: 5 x its estimate + 120)")
     p.add_argument("--variant", type=variant, action="append", default=[], metavar='NAME="FLAGS"',
                    help="repeat the sweep with these script flags (repeatable), e.g. lr2=\"--lr 2\"")
@@ -108,19 +67,13 @@ def parse_args(argv):
     again.add_argument("--resume", action="store_true", help="keep the ok runs already in --out, do the rest")
     again.add_argument("--force", action="store_true", help="replace the results already in --out")
     p.add_argument("--dry-run", action="store_true", help="print the planned runs and a rough duration only")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv):
+    args = parser().parse_args(argv)
     args.variants = list(dict(args.variant).items())  # each name once, in order
     return args
-
-
-def choose_gpus(args):
-    """[(id, name)] of the GPUs to sweep ([] on the CPU): --gpus positions among the visible ones."""
-    visible = [] if args.cpu else machine.gpus()
-    absent = [str(i) for i in args.gpus or [] if i >= len(visible)]
-    if absent:
-        raise BadArgument(f"GPU {', '.join(absent)} does not exist: {len(visible)} GPU(s) visible"
-                          + ("" if visible else "; use --cpu N for the CPU"))
-    return visible if args.gpus is None else [visible[i] for i in args.gpus]
 
 
 def check_out(path, resume, force):
@@ -161,7 +114,7 @@ def earlier_runs(out_dir, settings, earlier_settings):
     diff = sorted(k for k, v in settings.comparable().items() if earlier_settings.get(k) != v)
     if diff:
         raise BadArgument(f"cannot --resume {out_dir}: it was run with other settings ({', '.join(diff)})")
-    return {r["run_id"]: r for r in runs_table.read_runs(out_dir) if r["status"] == "ok"}
+    return {r["run_id"]: r for r in runs_csv.read_runs(out_dir) if r["status"] == "ok"}
 
 
 def download_mnist(data_dir, allowed):
@@ -195,7 +148,7 @@ def main(argv=None):
     command = shlex.join(["python", "bench/run_all.py"] + argv)
     try:
         args = parse_args(argv)
-        gpus = choose_gpus(args)
+        gpus = chosen_gpus(args)
         defaults = DEFAULTS["gpu" if gpus else "cpu"]
         settings = plan.Settings(
             gpus=[i for i, _ in gpus], max_n=len(gpus) or args.cpu or defaults["processes"],
@@ -236,7 +189,7 @@ def main(argv=None):
             env["allreduce"] = measurements.measure_allreduce(settings, out_dir)
         write_json(os.path.join(out_dir, "env.json"), env)
         broken = measurements.failed_collectives(env["allreduce"])
-        runs_table.write_runs(out_dir, runs_table.run_plan(runs, done, settings, out_dir, broken))
+        runs_csv.write_runs(out_dir, sweep.run_plan(runs, done, settings, out_dir, broken))
         from bench import plots, report  # seconds to import: not before the arguments are checked
         frame, summary = report.read_and_summarize(out_dir)
         written = plots.write_all(out_dir, summary, env["hardware"], settings)

@@ -11,14 +11,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the bench package, from the repository root
 from bench.fake_mnist import write_fake_mnist  # noqa: E402  (a learnable MNIST in torchvision's raw layout)
 from bench.machine import free_port  # noqa: E402,F401  (the harness's, for the tests' own jobs)
-from bench.scripts import load_script  # noqa: E402,F401  (a numbered script as a module, to call its functions)
+from bench.family import load_script  # noqa: E402,F401  (a numbered script as a module, to call its functions)
 from bench.commands import TORCHRUN, launch  # noqa: E402,F401  (bench's torchrun; a mode's command)
 from bench.processes import stop  # noqa: E402  (ends a command's whole process group)
-from bench.scripts import MODES  # noqa: E402  (the table of modes: script, launcher, batch rule)
+from bench.family import MODES, by_script  # noqa: E402  (the family table: script, parent, launch, batch rule)
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ["01_single_gpu.py", "02_data_parallel.py", "03_ddp_launch.py", "04_ddp_spawn.py", "05_multinode_mnist.py",
-           "06_fault_tolerant.py"]
+SCRIPTS = [mode.script for mode in MODES.values()]  # the family, in reading order (bench/family.py)
 TRAIN_IMAGES, TEST_IMAGES = 4096, 10000  # TEST_IMAGES: the size of MNIST's real test split
 QUICK_TEST_IMAGES = 1000  # the tests' test split: 10,000 would make evaluation most of a short run (1,000 too is
                           # not divisible by 3, so the exact-evaluation tests at world size 3 keep their point)
@@ -51,7 +50,7 @@ def script_command(script, *args, nprocs=None, launcher=()):
     """The command a user types, as bench's table of modes starts the script: torchrun for 03, 06 and 08 (nprocs
     processes, default 1, launcher: torchrun's options); python for the others, and where nprocs is given 04's
     --nprocs or 07's --devices (05's two nodes: run_two_nodes)."""
-    mode = {mode.script: mode for mode in MODES.values()}[script]
+    mode = by_script(script)
     return launch(mode, ROOT / script, nprocs, launcher) + [str(a) for a in args]
 
 

@@ -1,5 +1,6 @@
 """The benchmark harness, run as a user runs it: `python bench/run_all.py ...` on the CPU with tiny settings."""
 import dataclasses
+import math
 import json
 import os
 import stat
@@ -11,9 +12,9 @@ import pandas as pd
 import pytest
 
 from conftest import ROOT, TORCHRUN, load_script, script_command
-from bench import plan, plots, report, run_all, runs_table
+from bench import doctor, flags, plan, plots, report, run_all, runs_csv, sweep
 from bench.commands import commands
-from bench.scripts import MODES
+from bench.family import MODES
 
 AVAILABLE = [m for m in MODES if not plan.unavailable_reason(m)]  # 08 until it is written
 B = 16  # a small per-GPU batch and 6 steps at n = 2 (> the scripts' 5 warm-up steps): quick runs on a busy CPU
@@ -212,7 +213,7 @@ def test_efficiency_compares_each_batch_with_01_at_the_same_batch():
     rows = [(64, "single", 1, 1000), (64, "ddp_launch", 2, 1500),
             (512, "single", 1, 4000), (512, "ddp_launch", 2, 8000)]
     runs = pd.DataFrame([dict(variant="base", per_device_batch=b, mode=m, n=n, samples_per_s=float(x), status="ok")
-                         for b, m, n, x in rows]).reindex(columns=runs_table.COLUMNS)
+                         for b, m, n, x in rows]).reindex(columns=runs_csv.COLUMNS)
     summary = report.summarize(runs).set_index(["per_device_batch", "mode"])
     assert summary.loc[(64, "ddp_launch"), "efficiency"] == pytest.approx(0.75)
     assert summary.loc[(512, "ddp_launch"), "efficiency"] == pytest.approx(1.0)
@@ -223,7 +224,7 @@ def one_01_and_ddp_at_2(device_type):
     rows = [("single", 1, 2316.0), ("ddp_launch", 2, 2388.0)]
     runs = pd.DataFrame([dict(variant="base", per_device_batch=64, mode=m, n=n, samples_per_s=x, status="ok",
                               device_type=device_type) for m, n, x in rows])
-    return report.summarize(runs.reindex(columns=runs_table.COLUMNS)).set_index("mode")
+    return report.summarize(runs.reindex(columns=runs_csv.COLUMNS)).set_index("mode")
 
 
 def test_on_the_cpu_efficiency_compares_with_01_on_the_same_shared_cores():
@@ -304,32 +305,32 @@ def test_the_time_left_during_a_sweep_is_the_estimates_left_at_the_pace_of_the_r
     runs, _ = plan.plan(settings, ["single", "ddp_launch", "ddp_spawn"], [("base", [])], repeats=1)
     runs = runs + [dataclasses.replace(runs[-1], per_device_batch=512)]  # a run of another size
     clock = [0.0]
-    monkeypatch.setattr(runs_table.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(sweep.time, "monotonic", lambda: clock[0])
 
     def twice_its_estimate(run, settings, out_dir):
         clock[0] += 2 * plan.estimate_s(run, settings)
         return dict(dataclasses.asdict(run), run_id=run.run_id, status="ok", samples_per_s=1, test_accuracy=1)
-    monkeypatch.setattr(runs_table, "run_one", twice_its_estimate)
-    monkeypatch.setattr(runs_table, "write_runs", lambda out_dir, rows: None)
-    runs_table.run_plan(runs, {}, settings, str(tmp_path), {})
+    monkeypatch.setattr(sweep, "run_one", twice_its_estimate)
+    monkeypatch.setattr(sweep, "write_runs", lambda out_dir, rows: None)
+    sweep.run_plan(runs, {}, settings, str(tmp_path), {})
     said = [line.split("about ")[1].split(" left")[0] for line in capsys.readouterr().out.splitlines() if "left" in line]
     estimates = [plan.estimate_s(run, settings) for run in runs]
-    assert said == [str(runs_table.timedelta(seconds=round(2 * sum(estimates[i:])))) for i in range(1, len(runs))]
+    assert said == [str(sweep.timedelta(seconds=round(2 * sum(estimates[i:])))) for i in range(1, len(runs))]
 
 
 def test_a_gpu_sweep_counts_a_run_that_trained_on_the_cpu_as_failed():
     settings = gpu_settings(["0"])
-    assert runs_table.status(0, False, {"device_type": "cuda"}, settings, 600) == ("ok", "")
-    state, error = runs_table.status(0, False, {"device_type": "cpu"}, settings, 600)
+    assert sweep.status(0, False, {"device_type": "cuda"}, settings, 600) == ("ok", "")
+    state, error = sweep.status(0, False, {"device_type": "cpu"}, settings, 600)
     assert state == "failed" and "trained on cpu, not on a GPU" in error
-    assert runs_table.status(0, False, {"device_type": "cpu"}, dataclasses.replace(settings, gpus=[]), 600)[0] == "ok"
+    assert sweep.status(0, False, {"device_type": "cpu"}, dataclasses.replace(settings, gpus=[]), 600)[0] == "ok"
 
 
 def test_time_to_target_counts_training_time_until_the_first_epoch_at_target():
     epochs = [dict(train_time_s=10, test_accuracy=0.95), dict(train_time_s=9, test_accuracy=0.981),
               dict(train_time_s=8, test_accuracy=0.99)]
-    assert runs_table.time_to_target({"epochs_detail": epochs}, 0.98) == 19
-    assert runs_table.time_to_target({"epochs_detail": epochs}, 0.995) is None
+    assert sweep.time_to_target({"epochs_detail": epochs}, 0.98) == 19
+    assert sweep.time_to_target({"epochs_detail": epochs}, 0.995) is None
 
 
 # ---- bad arguments: one line on stderr, exit 2, nothing run
@@ -340,7 +341,11 @@ def test_time_to_target_counts_training_time_until_the_first_epoch_at_target():
     (["--repeats", "0"], "argument --repeats: must be at least 1"),
     (["--cpu", "0"], "argument --cpu: must be at least 1"),
     (["--gpus", "0", "--cpu", "2"], "not allowed with argument"),
-    (["--per-gpu-batch", "x"], "invalid int_list value"),
+    (["--per-gpu-batch", "x"], "argument --per-gpu-batch: expected a whole number, got 'x'"),
+    (["--per-gpu-batch", "0"], "argument --per-gpu-batch: must be at least 1, got 0"),  # was a ZeroDivisionError
+    (["--epochs", "0"], "argument --epochs: must be at least 1"),
+    (["--max-steps", "-1"], "argument --max-steps: must be at least 0"),
+    (["--timeout", "nan"], "argument --timeout: must be at least 1.0, got nan"),
     (["--variant", "nameless"], "--variant"),
     (["--variant", "base=--lr 2"], "(not base)"),
     (["--resume", "--force"], "not allowed with argument"),
@@ -358,6 +363,21 @@ def test_bad_arguments_give_one_line_and_exit_2(tmp_path, fake_machine, args, me
         result.stderr
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["a-file"] and blocker.read_text() == "kept"
+
+
+@pytest.mark.parametrize("program", [run_all, doctor], ids=["run_all", "doctor"])
+def test_every_number_flag_of_the_harness_and_the_doctor_is_refused_out_of_range_as_it_is_read(program):
+    """The class, not the cases: each number flag has a bounded type of bench/flags.py (a bare int or float takes
+    0, -1 and NaN), and each bound holds: NaN, infinity, a word and a value past either end give one line."""
+    numbers = [a for a in program.parser()._actions if a.type is not None and a.option_strings]
+    assert not [a.dest for a in numbers if a.type in (int, float)], "a number flag without bounds"
+    for action in [a for a in numbers if hasattr(a.type, "bounds")]:
+        low, high = action.type.bounds
+        flag = action.option_strings[-1]
+        for bad in ["nan", "inf", "-inf", "x", str(low - 1)] + ([str(high + 1)] if high < math.inf else []):
+            with pytest.raises(flags.BadArgument, match=f"^argument {flag}: (must be|expected)"):
+                program.parse_args([flag, bad])
+        assert program.parse_args([flag, str(low)]) is not None  # the bound itself is taken
 
 
 def test_unwritable_output_and_missing_data_are_refused_before_any_run(tmp_path):

@@ -17,18 +17,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from conftest import ROOT, SCRIPTS, TEST_IMAGES, free_port, load_script, run
+from conftest import MODES, ROOT, SCRIPTS, TEST_IMAGES, free_port, load_script, run
+from bench.family import COMMON_FLAGS
 
-# Definitions that every numbered script (07 too) carries word for word.
+# Definitions that every numbered script carries word for word.
 SHARED = ["Net", "in_range", "writable", "load_mnist", "batches", "clock"]
-# DESIGN.md's budgets, in changed lines of `diff -U0`, and its line limits. They live here, in the test, and
-# nowhere else: raising one is an edit of a test, for a reviewer to see.
-BUDGETS = {("01_single_gpu.py", "02_data_parallel.py"): 40, ("01_single_gpu.py", "03_ddp_launch.py"): 60,
-           ("03_ddp_launch.py", "04_ddp_spawn.py"): 50, ("04_ddp_spawn.py", "05_multinode_mnist.py"): 45,
-           ("03_ddp_launch.py", "06_fault_tolerant.py"): 130, ("03_ddp_launch.py", "08_fsdp.py"): 50}
-LINE_LIMITS = {"01_single_gpu.py": 260, "02_data_parallel.py": 320, "03_ddp_launch.py": 320,
-               "04_ddp_spawn.py": 320, "05_multinode_mnist.py": 320}
-NUMBERED = sorted(path.name for path in ROOT.glob("0[0-9]_*.py"))
+NUMBERED = sorted(path.name for path in ROOT.glob("[0-9][0-9]_*.py"))
 TOOL = ROOT / "tools" / "script_diffs.py"
 # The Markdown a reader is sent to; docs/diffs/ is generated and checked by the tool.
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "results" / "README.md"]
@@ -59,10 +53,14 @@ def metrics_writes(script):
             if isinstance(node, ast.If) and ast.unparse(node.test) == "path"]
 
 
+def test_the_family_table_names_every_numbered_script():
+    assert NUMBERED == SCRIPTS, "a numbered script without its row in bench/family.py, or a row without its script"
+
+
 def test_the_scripts_share_model_data_pipeline_and_checks_word_for_word():
     reference, write = definitions(SCRIPTS[0]), metrics_writes(SCRIPTS[0])
     assert len(write) == 1
-    for script in [*SCRIPTS[1:], "07_lightning.py"]:
+    for script in SCRIPTS[1:]:
         mine = definitions(script)
         for name in SHARED:
             assert mine.get(name) == reference[name], f"{script}: {name} differs from {SCRIPTS[0]}'s"
@@ -70,16 +68,25 @@ def test_the_scripts_share_model_data_pipeline_and_checks_word_for_word():
 
 
 def test_each_script_is_the_one_before_plus_a_small_diff_in_short_lines():
+    """The budgets and line limits of bench/family.py (DESIGN.md's): raising one is an edit of that table."""
     tool = load_script("tools/script_diffs.py")  # its diff counts as diff -U0
-    assert {pair for pair in BUDGETS if (ROOT / pair[1]).exists()} <= set(tool.PAIRS)
-    for (a, b), budget in BUDGETS.items():
-        if (ROOT / b).exists():
-            changed = tool.changed_lines(tool.unified(ROOT, a, b, 0))
-            assert changed <= budget, f"{a} -> {b}: {changed} changed lines, the budget is {budget}"
-    for script in NUMBERED:
-        lines = (ROOT / script).read_text().splitlines()
-        assert len(lines) <= LINE_LIMITS.get(script, len(lines)), f"{script}: {len(lines)} lines"
-        assert max(map(len, lines)) <= 100, f"{script}: a line of {max(map(len, lines))} characters"
+    for mode in MODES.values():
+        if mode.budget is not None:
+            changed = tool.changed_lines(tool.unified(ROOT, mode.parent, mode.script, 0))
+            assert changed <= mode.budget, f"{mode.parent} -> {mode.script}: {changed} changed lines, " \
+                                           f"the budget is {mode.budget}"
+        lines = (ROOT / mode.script).read_text().splitlines()
+        assert len(lines) <= mode.max_lines, f"{mode.script}: {len(lines)} lines, the limit is {mode.max_lines}"
+        assert max(map(len, lines)) <= 100, f"{mode.script}: a line of {max(map(len, lines))} characters"
+
+
+def test_each_script_has_the_common_flags_and_its_own_and_no_others():
+    """The table's flags column against each script's add_argument calls (each flag by its long name)."""
+    for mode in MODES.values():
+        calls = [node for node in ast.walk(ast.parse((ROOT / mode.script).read_text()))
+                 if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"]
+        taken = [max((a.value for a in call.args if isinstance(a, ast.Constant)), key=len) for call in calls]
+        assert sorted(taken) == sorted(COMMON_FLAGS + mode.flags), mode.script
 
 
 def test_every_line_a_script_adds_to_its_parent_is_marked_with_its_idea(tmp_path):

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from conftest import fake_command, run, without_linux_only
-from bench import checks, doctor, measurements, runs_table
+from bench import checks, doctor, measurements, sweep
 from bench.processes import KILL_GRACE_S
-from bench.scripts import MODES
+from bench.family import MODES
 
 MACHINE_CHECKS = ["devices", "GPU memory", "versions", "topology", "/dev/shm", "ports", "settings"]
 
@@ -212,7 +212,7 @@ def test_advice_names_the_cause_and_fix_of_real_failure_texts(text, fix):
 def test_advice_on_the_harness_own_words_for_a_stopped_run_or_collective_is_the_hang():
     hang = checks.advice("DistStoreError: Timed out after 6 seconds waiting for clients.")
     assert checks.advice("no answer within 60 s:  (log logs/allreduce-n2.log)") == hang  # measurements.run_tool
-    assert checks.advice("killed after the 120 s timeout") == hang  # runs_table.status
+    assert checks.advice("killed after the 120 s timeout") == hang  # sweep.status
 
 
 def test_advice_on_a_text_that_already_carries_advice_answers_its_failure_not_the_advice_words():
@@ -282,7 +282,7 @@ def test_runs_that_need_a_failed_collective_or_follow_a_hang_are_skipped_not_run
         return dict(status="timeout" if hung else "ok", error="killed after the 120 s timeout" if hung else "",
                     samples_per_s=1.0, wall_s=1.0, log_tail="", log_path="logs/x.log")
 
-    monkeypatch.setattr(runs_table, "run_one", run_one)
+    monkeypatch.setattr(sweep, "run_one", run_one)
     args = doctor.parse_args(["--cpu", "2"])
     rows = doctor.training_rows(doctor.doctor_settings([], args, str(tmp_path)), str(tmp_path), failed_n={2})
     assert ran == [m for m in MODES if not MODES[m].collective]  # 01 and 02 at n = 1
@@ -300,7 +300,7 @@ def test_without_lightning_its_run_is_skipped_saying_how_to_install_it(monkeypat
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *args: None if name == "lightning" else find_spec(name, *args))
-    monkeypatch.setattr(runs_table, "run_one", lambda run, settings, out_dir: dict(
+    monkeypatch.setattr(sweep, "run_one", lambda run, settings, out_dir: dict(
         status="ok", error="", samples_per_s=1.0, wall_s=1.0, log_tail="", log_path="logs/x.log"))
     rows = doctor.training_rows(doctor.doctor_settings([], doctor.parse_args([]), str(tmp_path)), str(tmp_path), set())
     lightning = next(r for r in rows if r["check"] == "train 07 lightning")

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from bench import plan, processes, report, runs_table
+from bench import plan, processes, report, runs_csv, sweep
 from conftest import fake_command
 from tests.test_bench import TINY, gpu_settings, harness, read_runs
 
@@ -83,18 +83,18 @@ def test_a_run_on_a_gpu_that_another_process_holds_is_flagged(tmp_path, busy_gpu
         for log in logs:
             pathlib.Path(log).write_text("")
         return 0, False
-    monkeypatch.setattr(runs_table, "run_processes", stand_in)
+    monkeypatch.setattr(sweep, "run_processes", stand_in)
     for name in ("logs", "metrics"):
         (tmp_path / name).mkdir()
     on_gpu = {"0": plan.Run("base", (), "single", 1, 16, 1), "1": plan.Run("base", (), "single", 1, 16, 2)}
     rows = []
     for gpu, run in on_gpu.items():
-        rows += runs_table.run_plan([run], {}, gpu_settings([gpu]), str(tmp_path), {})
+        rows += sweep.run_plan([run], {}, gpu_settings([gpu]), str(tmp_path), {})
         flagged = rows[-1]["busy_before"]
         assert ("GPU 0: 30800 MiB in use by pid 4242 python3" in flagged) == (gpu == "0"), (gpu, flagged)
     out = capsys.readouterr().out
     assert out.count("WARNING") == 1 and "pid 4242" in out
-    runs_table.write_runs(str(tmp_path), rows)
+    runs_csv.write_runs(str(tmp_path), rows)
     frame, summary = report.read_and_summarize(str(tmp_path))
     env = dict(hardware="1x NVIDIA H200", harness_command="python bench/run_all.py", python=sys.executable)
     report.write_report(str(tmp_path), frame, summary, env, gpu_settings(["0"]), [], [])

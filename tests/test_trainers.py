@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from conftest import (MODES, NO_NETWORK, QUICK_TEST_IMAGES, ROOT, SCRIPTS, TORCHRUN, evaluate_on_one_process,
+from conftest import (MODES, NO_NETWORK, QUICK_TEST_IMAGES, ROOT, SCRIPTS, TORCHRUN, by_script, evaluate_on_one_process,
                       launcher_env, load_script, run, run_two_nodes, script_command)
 
 # Every key of the metrics record in the design contract (shared/DESIGN.md; docs/benchmark.md lists them too).
@@ -32,11 +32,12 @@ def run_mode(script, data_dir, out, *extra, timeout=180):
     """Train with one script under the batch-size rules; returns (stdout of the printing rank(s), record, weights)."""
     out.mkdir(parents=True, exist_ok=True)
     args = train_args(data_dir, out, *extra)
-    mode = next(mode for mode in MODES.values() if mode.script == script)
-    if mode.launch == "multinode":  # two nodes of two processes: the global rank is node rank x 2 + local rank
+    mode = by_script(script)
+    if mode.launch.nodes > 1:  # two nodes of two processes: the global rank is node rank x 2 + local rank
         result = run_two_nodes(*args, "--batch-size", B // 2, gpus=2, timeout=timeout)
-    elif mode.launch in ("python", "dp"):  # one process, one device: the whole global batch
-        result = run(script_command(script, *args, "--batch-size", 2 * B), timeout=timeout)
+    elif not mode.collective or mode.batch.shared:  # one process, or ranks that share it: the whole global batch
+        result = run(script_command(script, *args, "--batch-size", 2 * B, nprocs=2 if mode.collective else None),
+                     timeout=timeout)
     else:
         result = run(script_command(script, *args, "--batch-size", B, nprocs=2), timeout=timeout)
     record = json.loads((out / "metrics.json").read_text())
@@ -48,7 +49,8 @@ def same_batch_runs(quick_mnist_dir, tmp_path_factory):
     """Every mode at global batch 2B for two short epochs, dropout off so that the updates can be compared."""
     tmp = tmp_path_factory.mktemp("same-batch")
     extra = ["--epochs", 2, "--max-steps", 3, "--no-dropout"]
-    return {script: run_mode(script, quick_mnist_dir, tmp / script, *extra) for script in SCRIPTS}
+    return {script: run_mode(script, quick_mnist_dir, tmp / script, *extra) for script in SCRIPTS
+            if not by_script(script).needs}  # 07's: tests/test_lightning.py
 
 
 def test_same_global_batch_gives_the_same_update(same_batch_runs):
@@ -82,7 +84,8 @@ def test_metrics_record_is_complete_and_consistent(same_batch_runs):
 def test_distributed_modes_record_their_world(same_batch_runs):
     expected = {"01_single_gpu.py": ("single", 1, 1), "02_data_parallel.py": ("dp", 1, 1),
                 "03_ddp_launch.py": ("ddp_launch", 2, 1), "04_ddp_spawn.py": ("ddp_spawn", 2, 1),
-                "05_multinode_mnist.py": ("ddp_multinode", 4, 2), "06_fault_tolerant.py": ("ddp_fault_tolerant", 2, 1)}
+                "05_multinode_mnist.py": ("ddp_multinode", 4, 2), "06_fault_tolerant.py": ("ddp_fault_tolerant", 2, 1),
+                "08_fsdp.py": ("fsdp", 2, 1)}
     for script, (mode, world_size, nodes) in expected.items():
         record = same_batch_runs[script][1]
         assert (record["mode"], record["world_size"], record["nodes"]) == (mode, world_size, nodes)

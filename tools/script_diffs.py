@@ -25,12 +25,12 @@ import sys
 import textwrap
 from pathlib import Path
 
-# Each script against the one it builds on, with the marker that its added and changed lines carry (its idea,
-# as accelerate's by_feature examples mark theirs). tests/test_docs.py holds each pair to its diff budget.
-PAIRS = {("01_single_gpu.py", "02_data_parallel.py"): "DP", ("01_single_gpu.py", "03_ddp_launch.py"): "DDP",
-         ("03_ddp_launch.py", "04_ddp_spawn.py"): "spawn", ("04_ddp_spawn.py", "05_multinode_mnist.py"): "multinode",
-         ("03_ddp_launch.py", "06_fault_tolerant.py"): "06", ("03_ddp_launch.py", "07_lightning.py"): "Lightning",
-         ("03_ddp_launch.py", "08_fsdp.py"): "FSDP"}
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the bench package, from the repository root
+from bench.family import MODES  # noqa: E402
+
+# Each script against the one it builds on (its parent in the family table), with the marker that its added and
+# changed lines carry: its idea, as accelerate's by_feature examples mark theirs.
+PAIRS = {(mode.parent, mode.script): mode.marker for mode in MODES.values() if mode.parent}
 EXCERPT = re.compile(r"(<!-- excerpt (.+?) -->\n).*?(<!-- end excerpt -->)", re.S)
 MAX_EXCERPT_LINES = 25
 PAGE_CONTEXT = 3  # lines of context in the full diffs; the excerpts use 1

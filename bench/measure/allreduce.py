@@ -14,9 +14,10 @@ import sys
 import time
 from datetime import timedelta
 
+from bench.flags import in_range
 from bench.outputs import write_json
 from bench.machine import cpu_cores, environment, free_port
-from bench.scripts import REPO, load_script
+from bench.family import REPO, load_script
 
 FP32_BYTES = 4
 
@@ -79,12 +80,12 @@ def report(args, rows, backend, device, params):
 def main(argv=None):
     import torch.multiprocessing as mp
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nprocs", type=int, default=2, help="processes, one per GPU (default 2)")
+    p.add_argument("--nprocs", type=in_range(1), default=2, help="processes, one per GPU (default 2)")
     p.add_argument("--cpu", action="store_true", help="gloo on the CPU (default: NCCL, one GPU per process)")
-    p.add_argument("--min-bytes", type=int, default=4 << 10, help="smallest message (default 4 KiB)")
-    p.add_argument("--max-bytes", type=int, default=64 << 20, help="largest message (default 64 MiB)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed iterations per size (default 5)")
-    p.add_argument("--iters", type=int, default=20, help="timed iterations per size; the median counts (default 20)")
+    p.add_argument("--min-bytes", type=in_range(4), default=4 << 10, help="smallest message (default 4 KiB)")
+    p.add_argument("--max-bytes", type=in_range(4), default=64 << 20, help="largest message (default 64 MiB)")
+    p.add_argument("--warmup", type=in_range(0), default=5, help="untimed iterations per size (default 5)")
+    p.add_argument("--iters", type=in_range(1), default=20, help="timed iterations per size; the median counts (default 20)")
     p.add_argument("--json", type=load_script().writable, metavar="PATH",
                    help="rank 0 writes the results here, env.json beside it")
     p.add_argument("--no-env", action="store_true", help="no env.json beside --json (the harness writes its own)")

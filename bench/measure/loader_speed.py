@@ -11,8 +11,9 @@ import argparse
 import statistics
 import sys
 
+from bench.flags import in_range
 from bench.outputs import write_json
-from bench.scripts import load_script
+from bench.family import load_script
 
 REQUIRED_RATIO = 50  # loader samples/s over training samples/s
 
@@ -33,8 +34,8 @@ def main(argv=None):
     p.add_argument("--data-dir", default="data", help="torchvision's MNIST folder (as 01's --data-dir)")
     p.add_argument("--synthetic", action="store_true", help="random MNIST-shaped data (as 01's --synthetic)")
     p.add_argument("--cpu", action="store_true", help="ignore GPUs")
-    p.add_argument("--batch-size", type=int, default=64, help="01's --batch-size (default 64)")
-    p.add_argument("--passes", type=int, default=5, help="timed epochs; the median counts (default 5)")
+    p.add_argument("--batch-size", type=in_range(1), default=64, help="01's --batch-size (default 64)")
+    p.add_argument("--passes", type=in_range(1), default=5, help="timed epochs; the median counts (default 5)")
     p.add_argument("--json", type=m01.writable, metavar="PATH", help="write the results here (checked as 01 does)")
     args = p.parse_args(argv)
     a = m01.parse_args(["--batch-size", str(args.batch_size), "--data-dir", args.data_dir]

@@ -1,5 +1,4 @@
-"""runs.csv, rewritten after every run, read back for --resume: with csv, as pandas takes seconds to import."""
-import csv
+"""The sweep itself: each planned run started as a user would, timed, bounded, and its row of runs.csv."""
 import dataclasses
 import itertools
 import os
@@ -12,19 +11,10 @@ from datetime import datetime, timedelta, timezone
 from bench import plan
 from bench.checks import advice, busy, gpu_usage
 from bench.commands import as_typed, commands
-from bench.outputs import read_json, write_atomically
+from bench.family import MODES
+from bench.outputs import read_json
 from bench.processes import log_tail, run_processes
-from bench.scripts import MODES
-
-# From the metrics record; not its per_device_batch (= global_batch / world_size): the run's own is the plan's.
-RECORD_COLUMNS = ["world_size", "nodes", "device_type", "backend", "threads", "global_batch", "lr", "epochs",
-                  "steps", "train_samples", "samples_per_s", "test_accuracy", "test_loss", "peak_memory_bytes",
-                  "synthetic", "torch_version"]
-COLUMNS = (["run_id", "variant", "mode", "n", "per_device_batch", "repeat", "status", "exit_code", "error",
-            "busy_before", "loader_batch", "timeout_s"] + RECORD_COLUMNS
-           + ["time_to_target_s", "target_accuracy", "wall_s", "started_at", "command", "log_path", "metrics_path",
-              "log_tail"])
-
+from bench.runs_csv import RECORD_COLUMNS, write_runs
 
 def time_to_target(record, target):
     """Training seconds (evaluation left out) until an epoch's test accuracy reaches the target, else None."""
@@ -107,17 +97,3 @@ def run_plan(runs, done, settings, out_dir, failed_collectives):
             print(f"{tag}: WARNING, its GPUs were busy when it started: {row['busy_before']}", flush=True)
         write_runs(out_dir, rows())
     return rows()
-
-
-def write_runs(out_dir, rows):
-    def write(tmp):
-        with open(tmp, "w", newline="") as f:
-            csv.writer(f).writerows([COLUMNS] + [[row.get(c) for c in COLUMNS] for row in rows])
-    write_atomically(os.path.join(out_dir, "runs.csv"), write)
-
-
-def read_runs(out_dir):
-    """runs.csv's rows as written (strings), to be written again unchanged."""
-    with open(os.path.join(out_dir, "runs.csv"), newline="") as f:
-        return list(csv.DictReader(f))
-
