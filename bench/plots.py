@@ -51,6 +51,7 @@ def write_all(out_dir, summary, hardware, settings):
     efficiency = "X(n) / X(01), n processes on 01's cores" if shared else "X(n) / (n X(01))"
     sharded = [name for name, mode in MODES.items() if mode.sharded]
     full = summary.loc[summary["mode"].isin(sharded) & (summary["n"] == 1), "held_mib"].max()
+    shards = " or ".join(MODES[name].number for name in sharded)
     plots = [("throughput.png", "Training throughput", "samples_per_s", "throughput (samples/s, all devices)",
               dict(ideal=ideal)),
              ("efficiency.png", f"Scaling efficiency E(n) = {efficiency}", "efficiency", "efficiency (%)",
@@ -60,7 +61,8 @@ def write_all(out_dir, summary, hardware, settings):
              ("accuracy.png", "Final test accuracy (10,000 images)", "test_accuracy", "test accuracy (%)",
               dict(bars=True, scale=100, empty="no run finished")),
              ("memory.png", "Weights, gradients and optimizer state per rank", "held_mib", "held per rank (MiB)",
-              dict(ideal={"each DDP rank (03): a full copy, as 08 at n = 1": lambda n: full}, empty="08 did not run"))]
+              dict(ideal={f"each DDP rank (03): a full copy, as {shards} at n = 1": lambda n: full},
+                   empty=f"{shards} did not run"))]
     for name, title, column, ylabel, options in plots:
         draw(os.path.join(out_dir, name), summary, column, title, ylabel, hardware, xlabel, **options)
     return [(name, title) for name, title, *_ in plots]
