@@ -57,6 +57,15 @@ def test_the_family_table_names_every_numbered_script():
     assert NUMBERED == SCRIPTS, "a numbered script without its row in bench/family.py, or a row without its script"
 
 
+def test_the_readme_tree_and_markers_name_every_row_of_the_family_table():
+    readme = README.read_text()
+    tree = re.search(r"## The scripts.*?```text\n(.*?)```", readme, re.S).group(1)
+    for mode in MODES.values():
+        assert re.search(rf"\b{mode.number} ", tree), f"the README's tree has no {mode.number}"
+        if mode.parent:
+            assert f"`# {mode.marker}`" in readme, f"the README names no marker `# {mode.marker}`"
+
+
 def test_the_scripts_share_model_data_pipeline_and_checks_word_for_word():
     reference, write = definitions(SCRIPTS[0]), metrics_writes(SCRIPTS[0])
     assert len(write) == 1
