@@ -103,18 +103,25 @@ def ideal_speedup(n, shared_cores):
     return 1 if shared_cores else n
 
 
+def global_batch(run):
+    return MODES[run.mode].batch.global_batch(run.per_device_batch, run.n)
+
+
 def steps_per_epoch(run, settings):
-    """--max-steps of a run, 0 for all: n devices take 1/n of max_steps (rounded up) with n times the batch, so an
-    epoch has the same images at every n, as a whole epoch of MNIST has, and time to target compares like with like."""
-    return math.ceil(settings.max_steps / run.n) if settings.max_steps else 0
+    """--max-steps of a run, 0 for all: max_steps counts at n = 1, and a run whose global batch is k times B takes
+    1/k of them (rounded up), so an epoch has the same images at every n, as a whole epoch of MNIST has, and time
+    to target compares like with like (n x B: 1/n of the steps; ranks that share one batch B: all of them)."""
+    if not settings.max_steps:
+        return 0
+    return math.ceil(settings.max_steps * run.per_device_batch / global_batch(run))
 
 
 def estimate_s(run, settings):
     """Rough seconds of one run: MNIST has 60,000 training images."""
-    steps = min(math.ceil(60000 / (run.n * run.per_device_batch)), steps_per_epoch(run, settings) or math.inf)
+    steps = min(math.ceil(60000 / global_batch(run)), steps_per_epoch(run, settings) or math.inf)
     kind = settings.kind
     speed = SAMPLES_PER_S[kind] * ideal_speedup(run.n, settings.cpu)
-    return START_S[kind] + settings.epochs * (EVAL_S[kind] + steps * run.n * run.per_device_batch / speed)
+    return START_S[kind] + settings.epochs * (EVAL_S[kind] + steps * global_batch(run) / speed)
 
 
 def timeout_s(run, settings):

@@ -28,6 +28,7 @@ VERSUS_VIEW = dict(variant="variant", per_device_batch="per-GPU batch", mode="mo
                    samples_per_s_ref="{} samples/s", samples_per_s="samples/s", speed_ratio="samples/s ratio",
                    wall_s_ref="{} wall (s)", wall_s="wall (s)", wall_ratio="wall-time ratio",
                    accuracy_diff="accuracy change")
+RULES_VIEW = dict(script="script", mode="mode", rule="batch at n", exchanged="exchanged in a step")
 LIMIT_VIEW = dict(variant="variant", mode="mode", n="n", per_device_batch="B", samples_per_s="measured samples/s",
                   t1_ms="t1 (ms)", t_ar_ms="t_ar (ms)", x_serial="X_serial", x_overlap="X_overlap",
                   pct_of_limit="% of the limit")
@@ -156,12 +157,19 @@ def loader_line(env, summary):
     return BLOCKS["loader"].format(**loader, per_device_batch=per_device_batch, speed=speed, versus_01=versus_01)
 
 
+def batch_rules(summary):
+    """The family table's batch rule and collectives of each mode in the summary, in reading order."""
+    modes = [MODES[name] for name in MODES if name in set(summary["mode"])]
+    return pd.DataFrame([dict(script=m.number, mode=m.name, rule=m.batch.says, exchanged=m.collectives or "nothing")
+                         for m in modes], columns=list(RULES_VIEW))
+
+
 def head(env, summary, settings):
     reference = BLOCKS["reference_shared_cores" if shares_cores(summary).any() else "reference_gpus"]
     return BLOCKS["head"].format(
         hardware=env["hardware"], devices="processes" if settings.cpu else "GPUs", loader=loader_line(env, summary),
         reference=reference.format(cores=settings.cores),
-        per_process=", ".join(m.number for m in MODES.values() if m.collective),
+        rules=markdown(batch_rules(summary), RULES_VIEW),
         per_device_batches=", ".join(map(str, settings.per_device_batches)), epochs=settings.epochs,
         steps=settings.max_steps or "all", per_n=BLOCKS["steps_at_n_1"] if settings.max_steps else "",
         test_batch_size=settings.test_batch_size, target_acc=settings.target_acc,
