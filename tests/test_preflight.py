@@ -115,3 +115,24 @@ def test_resume_refuses_while_runs_of_the_earlier_sweep_still_train(tmp_path):
         stray.kill()
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert f"pid {stray.pid}" in result.stderr and "still running" in result.stderr
+
+
+def test_resume_sees_a_stray_run_whose_metrics_path_is_relative_to_the_repository(tmp_path):
+    """A sweep into the default folder (results/<label>, inside the repository) starts its runs with
+    --metrics-json relative to the repository, as a user would type it: a stray of such a sweep names no absolute
+    path, and must still stop --resume."""
+    from bench.commands import repo_relative
+    from bench.run_all import BadArgument, check_no_stray_runs
+    from bench.scripts import REPO
+    out = os.path.join(REPO, "results", f"stray-test-{os.getpid()}-{tmp_path.name}")  # never created
+    metrics = repo_relative(os.path.join(out, "metrics", "single-n1-b16-r1.json"))
+    assert not os.path.isabs(metrics), metrics  # what the harness passes (bench.commands.commands)
+    stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "--metrics-json", metrics],
+                             cwd=REPO)
+    try:
+        with pytest.raises(BadArgument) as refused:
+            check_no_stray_runs(out)
+    finally:
+        stray.kill()
+        stray.wait()
+    assert f"pid {stray.pid}" in str(refused.value) and "still running" in str(refused.value)
