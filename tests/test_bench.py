@@ -516,6 +516,22 @@ def test_a_run_past_its_timeout_is_killed_with_all_its_processes(tmp_path):
     assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and has_marker(pid, marker)]
 
 
+def test_a_run_past_its_timeout_is_stopped_with_every_process_of_its_group(tmp_path):
+    """In-process: a command whose parent does not pass a signal on (a shell, its two children). torchrun and
+    04's parent end their own workers, so only a signal to the whole process group shows in this one."""
+    from bench.processes import run_processes
+    marker = uuid.uuid4().hex
+    command = ({"BENCH_TEST_MARKER": marker}, ["sh", "-c", "sleep 300 & sleep 300"])
+    try:
+        code, timed_out = run_processes([command], [tmp_path / "run.log"], timeout=1)
+        assert timed_out and code != 0, (code, timed_out)
+        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and has_marker(pid, marker)]
+        assert not left, f"processes of the stopped run still running: {left}"
+    finally:
+        for pid in [pid for pid in os.listdir("/proc") if pid.isdigit() and has_marker(pid, marker)]:
+            os.kill(int(pid), 9)
+
+
 def has_marker(pid, marker):
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
