@@ -3,13 +3,14 @@ with the harness (bench/checks.py): busy GPUs from nvidia-smi, interfaces, and t
 import importlib.util
 import json
 import os
+import re
 import socket
 import sys
 import time
 
 import pytest
 
-from conftest import fake_command, run, without_linux_only
+from conftest import ROOT, fake_command, run, without_linux_only
 from bench import checks, doctor, measurements, runs_table
 from bench.processes import KILL_GRACE_S
 from bench.scripts import MODES
@@ -294,6 +295,25 @@ def test_runs_that_need_a_failed_collective_or_follow_a_hang_are_skipped_not_run
     rows = doctor.training_rows(doctor.doctor_settings([], args, str(tmp_path)), str(tmp_path), failed_n=set())
     assert "ddp_launch" in ran and "ddp_spawn" not in ran  # after 03's hang, no other run waits for its timeout
     assert any("timed out" in r["detail"] for r in rows if r["status"] == "skip")
+
+
+@pytest.mark.parametrize("cpu, gpus", [(1, 0), (2, 0), (3, 0), (4, 0), (8, 0), (None, 1), (None, 2), (None, 8)])
+def test_every_training_run_of_the_doctor_takes_steps_past_the_scripts_warm_up(cpu, gpus, tmp_path):
+    """Its samples/s leaves the warm-up steps out: a run of no more steps times only warm-up (n = 2 had fallen to
+    3 steps once max_steps counted at n = 1). The steps as the commands the doctor builds give them, no run."""
+    from bench.commands import commands
+    args = doctor.parse_args(["--cpu", str(cpu)] if cpu else [])
+    settings = doctor.doctor_settings([(str(i), "NVIDIA H200") for i in range(gpus)], args, str(tmp_path))
+    largest, _ = doctor.largest_runs(settings)
+    assert largest, "the doctor trains no mode"
+    for mode, run in largest.items():
+        script = (ROOT / MODES[mode].script).read_text()
+        warm_up = int(re.search(r"^WARMUP_STEPS = (\d+)", script, re.M).group(1))
+        [(_, argv), *_] = commands(run, settings, tmp_path / "m.json", tmp_path / "s.pt")
+        flag = lambda name: int(argv[argv.index(name) + 1])  # noqa: E731
+        processes = 1 if MODES[mode].launch in ("python", "dp") else run.n  # each with its share of the images
+        steps = min(flag("--max-steps"), -(-doctor.TRAIN_IMAGES // processes) // flag("--batch-size"))
+        assert steps > warm_up, f"{mode} at n = {run.n}: {steps} steps, {warm_up} of them warm-up ({argv})"
 
 
 def test_without_lightning_its_run_is_skipped_saying_how_to_install_it(monkeypatch, tmp_path):
