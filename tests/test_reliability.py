@@ -20,7 +20,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT, TORCHRUN, free_port, launcher_env, run, run_two_nodes, script_command, start
+from conftest import (ROOT, TORCHRUN, free_port, launcher_env, load_script, run, run_two_nodes, script_command,
+                      start)
 
 # One thread per process everywhere: two "nodes" on one host would otherwise take two each, and a different
 # number of threads sums in a different order (equal weights, not bitwise equal). 20 steps an epoch: snapshots
@@ -432,6 +433,37 @@ def test_the_slowest_rank_sets_the_clock(quick_mnist_dir, tmp_path):
     assert returncode == 0, stderr
     epoch2 = json.loads((tmp_path / "m.json").read_text())["epochs_detail"][1]
     assert epoch2["train_time_s"] >= 5 and epoch2["steady_time_s"] >= 5  # rank 0's own clock: well under 1 s
+
+
+@pytest.mark.parametrize("script", ["03_ddp_launch.py", "04_ddp_spawn.py", "05_multinode_mnist.py",
+                                    "06_fault_tolerant.py", "08_fsdp.py"])
+def test_the_record_takes_the_time_of_the_slowest_rank(script, tmp_path, monkeypatch):
+    """In-process, rank 0 of two: its clock reads 1 s a step, the other rank (a stand-in all-reduce) took 20 s
+    for the epoch, 10 of them after the warm-up. The record has the other's seconds and its samples/s from them:
+    not rank 0's own, nor a sum or a mean of the ranks'."""
+    module = load_script(script)
+    ticks = iter(range(100))
+    monkeypatch.setattr(module, "clock", lambda device: float(next(ticks)))
+    other_rank = torch.tensor([20.0, 10.0], dtype=torch.float64)  # (whole epoch, after the warm-up)
+
+    def all_reduce(tensor, op=module.dist.ReduceOp.SUM, **kwargs):
+        combine = {module.dist.ReduceOp.MAX: torch.maximum, module.dist.ReduceOp.MIN: torch.minimum,
+                   module.dist.ReduceOp.SUM: torch.add}[op]
+        tensor.copy_(combine(tensor, other_rank))
+    monkeypatch.setattr(module.dist, "all_reduce", all_reduce)
+    world = SimpleNamespace(rank=0, world_size=2, device=torch.device("cpu"), is_main=True, nodes=1,
+                            backend="gloo", local_rank=0)
+    steps, batch = module.WARMUP_STEPS + 3, 4
+    epochs = []
+    for _ in module.timed([(torch.zeros(batch, 1), torch.zeros(batch))] * steps, world, epochs):
+        pass
+    (epoch,) = epochs
+    assert (epoch["train_time_s"], epoch["steady_time_s"]) == (20, 10), epoch  # rank 0's own: 6 s and 1 s
+    epoch.update(epoch=1, train_loss=1.0, test_loss=1.0, test_accuracy=0.5, test_samples=10, bytes_per_rank=[1, 1],
+                 full_copy_bytes=2)
+    module.write_record(str(tmp_path / "m.json"), module.parse_args([]), world, epochs)
+    record = json.loads((tmp_path / "m.json").read_text())
+    assert record["samples_per_s"] == epoch["steady_samples"] / 10 == (steps - module.WARMUP_STEPS) * 2 * batch / 10
 
 
 def test_an_interrupted_metrics_write_leaves_the_old_file_whole(quick_mnist_dir, tmp_path):
