@@ -87,6 +87,39 @@ def test_sharded_evaluation_counts_every_test_image_once(n, runs, quick_mnist_di
     assert record["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-6)
 
 
+# Put first on a worker's path: each dropout call of a training forward writes down the generator's state it draws
+# its mask from (the same state and shape: the same mask).
+DROPOUT_SPY = """
+import os
+if os.environ.get("RANK") is not None:  # a worker, not torchrun's agent
+    import hashlib
+    import torch
+    import torch.nn.functional as F
+    dropout = F.dropout
+
+    def recording(input, p=0.5, training=True, inplace=False):
+        if training and p > 0:
+            with open(os.path.join(os.environ["DROPOUT_LOG"], "rank" + os.environ["RANK"]), "a") as log:
+                log.write(hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest() + "\\n")
+        return dropout(input, p, training, inplace)
+    F.dropout = recording
+"""
+
+
+def test_each_rank_draws_its_own_dropout_masks(quick_mnist_dir, tmp_path):
+    """Every other 08 test runs --no-dropout. Two ranks with dropout on for two steps: each of their dropout
+    layers draws from a generator state of its own; the same one on both ranks would drop the same units."""
+    (tmp_path / "spy").mkdir()
+    (tmp_path / "spy" / "sitecustomize.py").write_text(DROPOUT_SPY)
+    run(script_command("08_fsdp.py", "--data-dir", quick_mnist_dir, "--max-steps", 2, "--batch-size", 16,
+                       "--log-interval", 0, nprocs=2),
+        env={"PYTHONPATH": str(tmp_path / "spy"), "DROPOUT_LOG": str(tmp_path)}, timeout=120)
+    states = [(tmp_path / f"rank{rank}").read_text().split() for rank in range(2)]
+    assert len(states[0]) == len(states[1]) >= 4, states  # two dropout layers, two steps (evaluation: none)
+    same = [i for i, (mine, theirs) in enumerate(zip(*states)) if mine == theirs]
+    assert not same, f"dropout calls {same} of {len(states[0])} drew the same masks on both ranks"
+
+
 class Counting(torch.nn.Module):
     """A stand-in for the sharded model: each forward (an all-gather of every layer in 08) and its images."""
 
