@@ -159,6 +159,17 @@ def test_the_last_snapshot_follows_the_outputs_and_a_finished_job_has_nothing_to
     assert failed.returncode != 0 and "IsADirectoryError" in failed.stderr, failed.stderr
     assert (out / "model.pt").exists() and not (out / "metrics.json").exists()
     assert snapshot_position(out / "snapshot.pt") == (1, 16), "the last snapshot was taken before the outputs"
+    saved = "world size 2, --batch-size 32, --seed 1, 20 steps an epoch"
+    files = lambda: {path: path.read_bytes() for path in out.iterdir() if path.is_file()}  # noqa: E731
+    before = files()
+    # Step 16 of 20 resumed at 10 steps an epoch would start past the epoch's end: the same batch size and
+    # world size, yet another layout (accepted, it trained no step and reported a NaN loss at 0 samples/s).
+    fewer_steps = run(torchrun_06(out, quick_mnist_dir, "--max-steps", 10), check=False)
+    assert fewer_steps.returncode != 0 and (  # each rank says it: their lines may interleave
+        f"error: snapshot {out / 'snapshot.pt'} is from {saved}, not {saved.replace('20 steps', '10 steps')}: "
+        "match it or move it") in fewer_steps.stderr, fewer_steps.stderr
+    assert f'File "{SCRIPT}"' not in fewer_steps.stderr, fewer_steps.stderr  # no worker's traceback (torchrun has one)
+    assert files() == before, "a refused resume changed the outputs or the snapshot"
     (out / "metrics.json.tmp").rmdir()
     assert "epoch 1, step 16" in run(torchrun_06(out, quick_mnist_dir)).stdout  # where run 1 stopped
     assert_same_training(out, uninterrupted)
@@ -167,7 +178,6 @@ def test_the_last_snapshot_follows_the_outputs_and_a_finished_job_has_nothing_to
     before = {path: path.read_bytes() for path in out.iterdir()}
     result = run(torchrun_06(out, quick_mnist_dir))
     assert "nothing to do" in result.stderr
-    saved = "world size 2, --batch-size 32, --seed 1, 20 steps an epoch"
     one = by_hand(1, "--data-dir", quick_mnist_dir, "--snapshot", out / "snapshot.pt", *TRAIN)[0]
     returncode, _, stderr = one.finish(60, "one process given a snapshot of two")
     assert returncode == 1 and error_lines(stderr) == [
