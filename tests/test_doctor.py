@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, fake_command, run, without_linux_only
+from conftest import ROOT, busy_note, fake_command, run, slack, without_linux_only
 from bench import checks, doctor, measurements, runs_table
 from bench.processes import KILL_GRACE_S
 from bench.scripts import MODES
@@ -50,12 +50,13 @@ def broken(tmp_path_factory):
 @pytest.mark.slow
 def test_the_doctor_finds_this_cpu_machine_ready_with_every_check_in_one_table(ready):
     result, report, seconds, _ = ready
-    assert result.returncode == 0, result.stdout + result.stderr
+    # Its collective and runs have bounds (60 s, 120 s) that a busy machine's start-up of torch can pass.
+    assert result.returncode == 0, f"{result.stdout}{result.stderr}({busy_note()})"
     assert "Traceback" not in result.stderr, result.stderr
     rows = rows_by_check(report)
     trains = [f"train {mode.script[:2]} {name}" for name, mode in MODES.items()]
     assert list(rows) == MACHINE_CHECKS + ["all-reduce n=2"] + trains
-    assert all(r["status"] in ("ok", "skip") for r in report["rows"]), report["rows"]
+    assert all(r["status"] in ("ok", "skip") for r in report["rows"]), (report["rows"], busy_note())
     assert rows["devices"]["status"] == rows["versions"]["status"] == rows["all-reduce n=2"]["status"] == "ok"
     collective = rows["all-reduce n=2"]["detail"]
     assert "GB/s" in collective and "compare: gloo on loopback" in collective
@@ -86,13 +87,15 @@ def test_a_broken_collective_fails_fast_naming_the_collective_and_the_fix(broken
     rows = rows_by_check(report)
     collective = rows["all-reduce n=2"]
     assert collective["status"] == "FAIL"
-    assert "exit code" in collective["detail"], collective  # gloo failed by itself, not by the doctor's time bound
+    # gloo failed by itself, not by the doctor's 60-s bound (which a busy machine's start-up of torch can pass)
+    assert "exit code" in collective["detail"], f"{collective} ({busy_note()})"
     assert "Unable to find address for: nosuchif" in collective["detail"]
     assert "GLOO_SOCKET_IFNAME" in collective["todo"]
     assert rows["settings"]["status"] == "FAIL" and "GLOO_SOCKET_IFNAME=nosuchif" in rows["settings"]["detail"]
     assert "lo" in rows["settings"]["todo"]  # the interfaces this machine has
     assert result.stdout.splitlines()[-1].startswith("NOT READY") and report["ready"] is False
-    assert seconds < 180  # the versions child, then gloo's own error: no wait for a timeout
+    # The versions child, then gloo's own error: no wait for a timeout (the "exit code" above says so too).
+    assert seconds < slack(180), f"{seconds:.0f} s ({busy_note()})"
     assert "Traceback" not in result.stdout
 
 
@@ -105,7 +108,8 @@ def test_a_collective_that_does_not_answer_in_time_fails_with_the_hang_advice_at
                                           str(tmp_path))
     assert failed == {2} and rows[0]["status"] == "FAIL" and "no answer within 1 s" in rows[0]["detail"]
     assert rows[0]["todo"] == checks.advice("Timed out") and "NCCL_P2P_DISABLE=1" in rows[0]["todo"]
-    assert time.monotonic() - started < 1 + 2 * KILL_GRACE_S + 5  # the bound, then SIGTERM and SIGKILL
+    took = time.monotonic() - started  # the bound, then SIGTERM and SIGKILL, then starting and reading the tool
+    assert took < 1 + 2 * KILL_GRACE_S + slack(5), f"{took:.1f} s ({busy_note()})"
 
 
 # ---- busy GPUs, through a stand-in nvidia-smi

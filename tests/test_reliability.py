@@ -20,8 +20,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import (ROOT, TORCHRUN, free_port, launcher_env, load_script, run, run_two_nodes, script_command,
-                      start)
+from conftest import (ROOT, TORCHRUN, busy_note, free_port, launcher_env, load_script, run, run_two_nodes,
+                      script_command, start)
 
 # One thread per process everywhere: two "nodes" on one host would otherwise take two each, and a different
 # number of threads sums in a different order (equal weights, not bitwise equal). 20 steps an epoch: snapshots
@@ -50,7 +50,7 @@ def wait_for(condition, timeout, what, job=None, interval=0.005):
         if job is not None and job.process.poll() is not None:
             pytest.fail(f"the job ended (exit {job.process.returncode}) before {what}:\n{job.tail()}")
         if time.monotonic() > deadline:
-            pytest.fail(f"{timeout} s passed before {what}" + (f":\n{job.tail()}" if job else ""))
+            pytest.fail(f"{timeout} s passed before {what} ({busy_note()})" + (f":\n{job.tail()}" if job else ""))
         time.sleep(interval)
 
 
@@ -78,7 +78,7 @@ class Job:
             self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            pytest.fail(f"{what}: still running {timeout} s later:\n{self.tail()}")
+            pytest.fail(f"{what}: still running {timeout} s later ({busy_note()}):\n{self.tail()}")
         for reader in self.readers:
             reader.join(timeout=10)
         return self.process.returncode, "".join(self.out), "".join(self.err)
@@ -243,7 +243,7 @@ def test_a_lost_peer_ends_the_other_rank_within_the_timeout_in_one_line(how, qui
     assert returncode == 1 and len(errors) == 1 and "Traceback" not in stderr, stderr
     assert errors[0].startswith("error: rank 0 stopped (a peer lost, or --timeout passed): "), errors[0]
     assert re.search(said, errors[0]), errors[0]  # gloo's words, after its source file and line
-    assert took < {"killed": 5, "stopped": timeout + 5}[how], f"{took:.1f} s after its peer was {how}"
+    assert took < {"killed": 5, "stopped": timeout + 5}[how], f"{took:.1f} s after its peer was {how} ({busy_note()})"
 
 
 def test_timeout_bounds_the_wait_for_torchruns_store(quick_mnist_dir):
@@ -349,7 +349,8 @@ def test_a_killed_rank_ends_the_job_quickly_and_says_why(launch, quick_mnist_dir
         returncode, _, stderr = job.finish(30, "the job, one of its ranks killed")
     finally:
         job.kill()
-    assert returncode != 0 and time.monotonic() - killed < 30
+    took = time.monotonic() - killed
+    assert returncode != 0 and took < 30, f"exit {returncode}, {took:.0f} s after the kill ({busy_note()})"
     if launch == "spawn":  # ours to word; torchrun adds its own report, traceback included
         assert "Traceback" not in stderr and "process 1: SIGKILL, killed from outside" in stderr, stderr
     else:
