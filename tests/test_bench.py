@@ -13,6 +13,7 @@ import pytest
 from conftest import ROOT, TORCHRUN, load_script, script_command
 from bench import plan, plots, report, run_all, runs_table
 from bench.commands import commands
+from bench.processes import run_processes
 from bench.scripts import MODES
 
 AVAILABLE = [m for m in MODES if not plan.unavailable_reason(m)]  # 08 until it is written
@@ -549,7 +550,6 @@ def test_a_run_past_its_timeout_is_killed_with_all_its_processes(tmp_path):
 def test_a_run_past_its_timeout_is_stopped_with_every_process_of_its_group(tmp_path):
     """In-process: a command whose parent does not pass a signal on (a shell, its two children). torchrun and
     04's parent end their own workers, so only a signal to the whole process group shows in this one."""
-    from bench.processes import run_processes
     marker = uuid.uuid4().hex
     command = ({"BENCH_TEST_MARKER": marker}, ["sh", "-c", "sleep 300 & sleep 300"])
     try:

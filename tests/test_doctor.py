@@ -12,6 +12,7 @@ import pytest
 
 from conftest import ROOT, busy_note, fake_command, run, slack, without_linux_only
 from bench import checks, doctor, measurements, runs_table
+from bench.commands import commands
 from bench.processes import KILL_GRACE_S
 from bench.scripts import MODES
 
@@ -305,7 +306,6 @@ def test_runs_that_need_a_failed_collective_or_follow_a_hang_are_skipped_not_run
 def test_every_training_run_of_the_doctor_takes_steps_past_the_scripts_warm_up(cpu, gpus, tmp_path):
     """Its samples/s leaves the warm-up steps out: a run of no more steps times only warm-up (n = 2 had fallen to
     3 steps once max_steps counted at n = 1). The steps as the commands the doctor builds give them, no run."""
-    from bench.commands import commands
     args = doctor.parse_args(["--cpu", str(cpu)] if cpu else [])
     settings = doctor.doctor_settings([(str(i), "NVIDIA H200") for i in range(gpus)], args, str(tmp_path))
     largest, _ = doctor.largest_runs(settings)

@@ -12,6 +12,9 @@ import time
 import pytest
 
 from bench import plan, processes, report, runs_table
+from bench.commands import repo_relative
+from bench.run_all import BadArgument, check_no_stray_runs
+from bench.scripts import REPO
 from conftest import busy_note, fake_command
 from tests.test_bench import TINY, gpu_settings, harness, read_runs
 
@@ -122,9 +125,6 @@ def test_resume_sees_a_stray_run_whose_metrics_path_is_relative_to_the_repositor
     """A sweep into the default folder (results/<label>, inside the repository) starts its runs with
     --metrics-json relative to the repository, as a user would type it: a stray of such a sweep names no absolute
     path, and must still stop --resume."""
-    from bench.commands import repo_relative
-    from bench.run_all import BadArgument, check_no_stray_runs
-    from bench.scripts import REPO
     out = os.path.join(REPO, "results", f"stray-test-{os.getpid()}-{tmp_path.name}")  # never created
     metrics = repo_relative(os.path.join(out, "metrics", "single-n1-b16-r1.json"))
     assert not os.path.isabs(metrics), metrics  # what the harness passes (bench.commands.commands)

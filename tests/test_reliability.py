@@ -459,7 +459,7 @@ def test_the_record_takes_the_time_of_the_slowest_rank(script, tmp_path, monkeyp
 
     def all_reduce(tensor, op=module.dist.ReduceOp.SUM, **kwargs):
         combine = {module.dist.ReduceOp.MAX: torch.maximum, module.dist.ReduceOp.MIN: torch.minimum,
-                   module.dist.ReduceOp.SUM: torch.add}[op]
+                   module.dist.ReduceOp.SUM: torch.add, module.dist.ReduceOp.AVG: lambda a, b: (a + b) / 2}[op]
         tensor.copy_(combine(tensor, other_rank))
     monkeypatch.setattr(module.dist, "all_reduce", all_reduce)
     world = SimpleNamespace(rank=0, world_size=2, device=torch.device("cpu"), is_main=True, nodes=1,
