@@ -1,6 +1,7 @@
 """08_fsdp.py, run as a user runs it: FSDP2 takes DDP's update, each rank holds 1/n of the weights, gradients and
 optimizer state, evaluation counts every test image once, and the saved model is one plain state dict 01 loads."""
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -111,10 +112,13 @@ def test_each_rank_draws_its_own_dropout_masks(quick_mnist_dir, tmp_path):
     layers draws from a generator state of its own; the same one on both ranks would drop the same units."""
     (tmp_path / "spy").mkdir()
     (tmp_path / "spy" / "sitecustomize.py").write_text(DROPOUT_SPY)
+    path = os.pathsep.join(filter(None, [str(tmp_path / "spy"), os.environ.get("PYTHONPATH")]))
     run(script_command("08_fsdp.py", "--data-dir", quick_mnist_dir, "--max-steps", 2, "--batch-size", 16,
-                       "--log-interval", 0, nprocs=2),
-        env={"PYTHONPATH": str(tmp_path / "spy"), "DROPOUT_LOG": str(tmp_path)}, timeout=120)
-    states = [(tmp_path / f"rank{rank}").read_text().split() for rank in range(2)]
+                       "--log-interval", 0, nprocs=2), env={"PYTHONPATH": path, "DROPOUT_LOG": str(tmp_path)},
+        timeout=120)
+    logs = [tmp_path / f"rank{rank}" for rank in range(2)]
+    assert all(log.exists() for log in logs), "the spy on F.dropout saw no dropout call"
+    states = [log.read_text().split() for log in logs]
     assert len(states[0]) == len(states[1]) >= 4, states  # two dropout layers, two steps (evaluation: none)
     same = [i for i, (mine, theirs) in enumerate(zip(*states)) if mine == theirs]
     assert not same, f"dropout calls {same} of {len(states[0])} drew the same masks on both ranks"
