@@ -70,7 +70,8 @@ def log_tail(paths, lines=15):
 
 def processes_mentioning(text):
     """[(pid, command)] of the processes (not this one) whose command line holds text: `ps` on Linux and macOS;
-    Windows has no `ps`, so there the check finds nothing (tasklist cannot show command lines)."""
-    listed = output_of(["ps", "-axo", "pid=,args="]) or ""
+    Windows has no `ps`, so there the check finds nothing (tasklist cannot show command lines). ww: whole command
+    lines; without it ps cuts them at $COLUMNS characters where that is set (80 in a pytest run), and misses paths."""
+    listed = output_of(["ps", "-axww", "-o", "pid=,args="]) or ""
     rows = [line.strip().split(None, 1) for line in listed.splitlines() if text in line]
     return [(int(pid), command) for pid, command in rows if int(pid) != os.getpid()]

@@ -82,6 +82,27 @@ def without_linux_only(tmp_path, root=ROOT):
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 
 
+def load_per_core():
+    """This machine's 1-minute load average per core (None where the OS keeps none): over 1, processes that could
+    run wait for a core, and a wall-time bound measured on a quiet machine may not hold."""
+    return os.getloadavg()[0] / (os.cpu_count() or 1) if hasattr(os, "getloadavg") else None
+
+
+def slack(seconds, most=4):
+    """seconds of slack measured on a quiet machine, stretched by how busy this one is (its load per core, at most
+    `most` times): for work that only waits for a core, never for a wait a bug would add (keep such bounds fixed)."""
+    return seconds * min(most, max(1.0, load_per_core() or 1.0))
+
+
+def busy_note():
+    """What a failed wall-time bound says about the machine: a busy one may explain it (then rerun the test alone)."""
+    load = load_per_core()
+    if load is None:
+        return "no load average on this OS"
+    said = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    return said + (": the machine was busy, rerun this test alone" if load > 1 else ": a quiet machine")
+
+
 def run(command, timeout=180, env=None, check=True, **popen):
     """Run a command from the repository root; a hang fails the test instead of CI, and ends every process of
     the command (a torchrun or spawn parent killed alone would leave its workers using the CPU)."""

@@ -15,6 +15,7 @@ from conftest import ROOT, TORCHRUN, load_script, script_command
 from bench import doctor, flags, plan, plots, report, run_all, runs_csv, sweep
 from bench.commands import commands
 from bench.family import MODES
+from bench.processes import run_processes
 
 AVAILABLE = [m for m in MODES if not plan.unavailable_reason(m)]  # 08 until it is written
 B = 16  # a small per-GPU batch and 6 steps at n = 2 (> the scripts' 5 warm-up steps): quick runs on a busy CPU
@@ -257,6 +258,36 @@ def test_the_plots_ideal_line_and_the_reports_text_say_which_reference(monkeypat
     text = report.head(dict(hardware="a machine"), summary, settings)
     assert ("**On the CPU, E(n) = X(n) / X(01), not X(n) / (n X(01))**" in text) == (device_type == "cpu")
     assert ("E(n) = X(n) / (n X(01)): n GPUs" in text) == (device_type == "cuda")
+
+
+def test_held_memory_per_rank_is_08s_fullest_rank_in_the_summary_and_memory_png(tmp_path, monkeypatch):
+    """From runs.csv and the metrics records as a sweep leaves them: 08's ranks hold unequal shares (rows split
+    unevenly), and the column, like the plot, is the fullest rank's, not their sum, nor the one of rank 0."""
+    mib = 2**20
+    held = {1: [40 * mib], 2: [19 * mib, 21 * mib], 3: [14 * mib, 13 * mib, 13 * mib]}  # together one copy
+    (tmp_path / "metrics").mkdir()
+    rows = []
+    for mode, n in [("single", 1), ("ddp_launch", 2), ("fsdp", 1), ("fsdp", 2), ("fsdp", 3)]:
+        run_id = f"{mode}-n{n}-b32-r1"
+        record = dict(samples_per_s=1000.0 * n, world_size=n, **({"bytes_per_rank": held[n]} if mode == "fsdp" else {}))
+        (tmp_path / "metrics" / f"{run_id}.json").write_text(json.dumps(record))
+        rows.append(dict(run_id=run_id, variant="base", mode=mode, n=n, per_device_batch=32, repeat=1, status="ok",
+                         world_size=n, nodes=1, device_type="cuda", samples_per_s=1000.0 * n,
+                         metrics_path=f"metrics/{run_id}.json"))
+    runs_csv.write_runs(str(tmp_path), rows)
+    _, summary = report.read_and_summarize(str(tmp_path))
+    by_run = summary.set_index(["mode", "n"])["held_mib"]
+    assert by_run[("fsdp", 1)] == 40 and by_run[("fsdp", 2)] == 21 and by_run[("fsdp", 3)] == 14, by_run
+    assert pd.isna(by_run[("ddp_launch", 2)]) and pd.isna(by_run[("single", 1)])  # 08's record alone has it
+    drawn = {}
+    monkeypatch.setattr(plots, "draw", lambda path, summary, column, *a, **options: drawn.setdefault(
+        os.path.basename(path), (summary, column, options)))
+    plots.write_all(str(tmp_path), summary, "a machine", gpu_settings(["0", "1", "2"]))
+    plotted, column, options = drawn["memory.png"]
+    points = plotted[plotted["mode"] == "fsdp"].set_index("n")[column]
+    assert points.to_dict() == {1: 40, 2: 21, 3: 14}
+    (line,) = options["ideal"].values()
+    assert line(3) == 40  # DDP's whole copy: 08 at n = 1
 
 
 def test_the_default_cpu_sweep_runs_each_mode_once_with_the_same_images_in_each_epoch(tmp_path, monkeypatch, capsys):
@@ -534,6 +565,21 @@ def test_a_run_past_its_timeout_is_killed_with_all_its_processes(tmp_path):
     row = read_runs(tmp_path / "r").iloc[0]
     assert row["status"] == "timeout" and "3 s timeout" in row["error"]
     assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and has_marker(pid, marker)]
+
+
+def test_a_run_past_its_timeout_is_stopped_with_every_process_of_its_group(tmp_path):
+    """In-process: a command whose parent does not pass a signal on (a shell, its two children). torchrun and
+    04's parent end their own workers, so only a signal to the whole process group shows in this one."""
+    marker = uuid.uuid4().hex
+    command = ({"BENCH_TEST_MARKER": marker}, ["sh", "-c", "sleep 300 & sleep 300"])
+    try:
+        code, timed_out = run_processes([command], [tmp_path / "run.log"], timeout=1)
+        assert timed_out and code != 0, (code, timed_out)
+        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and has_marker(pid, marker)]
+        assert not left, f"processes of the stopped run still running: {left}"
+    finally:
+        for pid in [pid for pid in os.listdir("/proc") if pid.isdigit() and has_marker(pid, marker)]:
+            os.kill(int(pid), 9)
 
 
 def has_marker(pid, marker):

@@ -3,14 +3,16 @@ with the harness (bench/checks.py): busy GPUs from nvidia-smi, interfaces, and t
 import importlib.util
 import json
 import os
+import re
 import socket
 import sys
 import time
 
 import pytest
 
-from conftest import fake_command, run, without_linux_only
+from conftest import ROOT, busy_note, fake_command, run, slack, without_linux_only
 from bench import checks, doctor, measurements, sweep
+from bench.commands import commands
 from bench.processes import KILL_GRACE_S
 from bench.family import MODES
 
@@ -49,12 +51,13 @@ def broken(tmp_path_factory):
 @pytest.mark.slow
 def test_the_doctor_finds_this_cpu_machine_ready_with_every_check_in_one_table(ready):
     result, report, seconds, _ = ready
-    assert result.returncode == 0, result.stdout + result.stderr
+    # Its collective and runs have bounds (60 s, 120 s) that a busy machine's start-up of torch can pass.
+    assert result.returncode == 0, f"{result.stdout}{result.stderr}({busy_note()})"
     assert "Traceback" not in result.stderr, result.stderr
     rows = rows_by_check(report)
     trains = [f"train {mode.script[:2]} {name}" for name, mode in MODES.items()]
     assert list(rows) == MACHINE_CHECKS + ["all-reduce n=2"] + trains
-    assert all(r["status"] in ("ok", "skip") for r in report["rows"]), report["rows"]
+    assert all(r["status"] in ("ok", "skip") for r in report["rows"]), (report["rows"], busy_note())
     assert rows["devices"]["status"] == rows["versions"]["status"] == rows["all-reduce n=2"]["status"] == "ok"
     collective = rows["all-reduce n=2"]["detail"]
     assert "GB/s" in collective and "compare: gloo on loopback" in collective
@@ -85,13 +88,15 @@ def test_a_broken_collective_fails_fast_naming_the_collective_and_the_fix(broken
     rows = rows_by_check(report)
     collective = rows["all-reduce n=2"]
     assert collective["status"] == "FAIL"
-    assert "exit code" in collective["detail"], collective  # gloo failed by itself, not by the doctor's time bound
+    # gloo failed by itself, not by the doctor's 60-s bound (which a busy machine's start-up of torch can pass)
+    assert "exit code" in collective["detail"], f"{collective} ({busy_note()})"
     assert "Unable to find address for: nosuchif" in collective["detail"]
     assert "GLOO_SOCKET_IFNAME" in collective["todo"]
     assert rows["settings"]["status"] == "FAIL" and "GLOO_SOCKET_IFNAME=nosuchif" in rows["settings"]["detail"]
     assert "lo" in rows["settings"]["todo"]  # the interfaces this machine has
     assert result.stdout.splitlines()[-1].startswith("NOT READY") and report["ready"] is False
-    assert seconds < 180  # the versions child, then gloo's own error: no wait for a timeout
+    # The versions child, then gloo's own error: no wait for a timeout (the "exit code" above says so too).
+    assert seconds < slack(180), f"{seconds:.0f} s ({busy_note()})"
     assert "Traceback" not in result.stdout
 
 
@@ -104,7 +109,8 @@ def test_a_collective_that_does_not_answer_in_time_fails_with_the_hang_advice_at
                                           str(tmp_path))
     assert failed == {2} and rows[0]["status"] == "FAIL" and "no answer within 1 s" in rows[0]["detail"]
     assert rows[0]["todo"] == checks.advice("Timed out") and "NCCL_P2P_DISABLE=1" in rows[0]["todo"]
-    assert time.monotonic() - started < 1 + 2 * KILL_GRACE_S + 5  # the bound, then SIGTERM and SIGKILL
+    took = time.monotonic() - started  # the bound, then SIGTERM and SIGKILL, then starting and reading the tool
+    assert took < 1 + 2 * KILL_GRACE_S + slack(5), f"{took:.1f} s ({busy_note()})"
 
 
 # ---- busy GPUs, through a stand-in nvidia-smi
@@ -294,6 +300,24 @@ def test_runs_that_need_a_failed_collective_or_follow_a_hang_are_skipped_not_run
     rows = doctor.training_rows(doctor.doctor_settings([], args, str(tmp_path)), str(tmp_path), failed_n=set())
     assert "ddp_launch" in ran and "ddp_spawn" not in ran  # after 03's hang, no other run waits for its timeout
     assert any("timed out" in r["detail"] for r in rows if r["status"] == "skip")
+
+
+@pytest.mark.parametrize("cpu, gpus", [(1, 0), (2, 0), (3, 0), (4, 0), (8, 0), (None, 1), (None, 2), (None, 8)])
+def test_every_training_run_of_the_doctor_takes_steps_past_the_scripts_warm_up(cpu, gpus, tmp_path):
+    """Its samples/s leaves the warm-up steps out: a run of no more steps times only warm-up (n = 2 had fallen to
+    3 steps once max_steps counted at n = 1). The steps as the commands the doctor builds give them, no run."""
+    args = doctor.parse_args(["--cpu", str(cpu)] if cpu else [])
+    settings = doctor.doctor_settings([(str(i), "NVIDIA H200") for i in range(gpus)], args, str(tmp_path))
+    largest, _ = doctor.largest_runs(settings)
+    assert largest, "the doctor trains no mode"
+    for mode, run in largest.items():
+        script = (ROOT / MODES[mode].script).read_text()
+        warm_up = int(re.search(r"^WARMUP_STEPS = (\d+)", script, re.M).group(1))
+        [(_, argv), *_] = commands(run, settings, tmp_path / "m.json", tmp_path / "s.pt")
+        flag = lambda name: int(argv[argv.index(name) + 1])  # noqa: E731
+        processes = run.n if MODES[mode].collective else 1  # each with its share of the images
+        steps = min(flag("--max-steps"), -(-doctor.TRAIN_IMAGES // processes) // flag("--batch-size"))
+        assert steps > warm_up, f"{mode} at n = {run.n}: {steps} steps, {warm_up} of them warm-up ({argv})"
 
 
 def test_without_lightning_its_run_is_skipped_saying_how_to_install_it(monkeypatch, tmp_path):

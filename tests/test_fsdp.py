@@ -1,6 +1,8 @@
 """08_fsdp.py, run as a user runs it: FSDP2 takes DDP's update, each rank holds 1/n of the weights, gradients and
 optimizer state, evaluation counts every test image once, and the saved model is one plain state dict 01 loads."""
 import json
+import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -84,6 +86,76 @@ def test_sharded_evaluation_counts_every_test_image_once(n, runs, quick_mnist_di
     assert [e["test_samples"] for e in record["epochs_detail"]] == [QUICK_TEST_IMAGES] * 2
     assert record["test_accuracy"] == reference["test_accuracy"]
     assert record["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-6)
+
+
+# Put first on a worker's path: each dropout call of a training forward writes down the generator's state it draws
+# its mask from (the same state and shape: the same mask).
+DROPOUT_SPY = """
+import os
+if os.environ.get("RANK") is not None:  # a worker, not torchrun's agent
+    import hashlib
+    import torch
+    import torch.nn.functional as F
+    dropout = F.dropout
+
+    def recording(input, p=0.5, training=True, inplace=False):
+        if training and p > 0:
+            with open(os.path.join(os.environ["DROPOUT_LOG"], "rank" + os.environ["RANK"]), "a") as log:
+                log.write(hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest() + "\\n")
+        return dropout(input, p, training, inplace)
+    F.dropout = recording
+"""
+
+
+def test_each_rank_draws_its_own_dropout_masks(quick_mnist_dir, tmp_path):
+    """Every other 08 test runs --no-dropout. Two ranks with dropout on for two steps: each of their dropout
+    layers draws from a generator state of its own; the same one on both ranks would drop the same units."""
+    (tmp_path / "spy").mkdir()
+    (tmp_path / "spy" / "sitecustomize.py").write_text(DROPOUT_SPY)
+    path = os.pathsep.join(filter(None, [str(tmp_path / "spy"), os.environ.get("PYTHONPATH")]))
+    run(script_command("08_fsdp.py", "--data-dir", quick_mnist_dir, "--max-steps", 2, "--batch-size", 16,
+                       "--log-interval", 0, nprocs=2), env={"PYTHONPATH": path, "DROPOUT_LOG": str(tmp_path)},
+        timeout=120)
+    logs = [tmp_path / f"rank{rank}" for rank in range(2)]
+    assert all(log.exists() for log in logs), "the spy on F.dropout saw no dropout call"
+    states = [log.read_text().split() for log in logs]
+    assert len(states[0]) == len(states[1]) >= 4, states  # two dropout layers, two steps (evaluation: none)
+    same = [i for i, (mine, theirs) in enumerate(zip(*states)) if mine == theirs]
+    assert not same, f"dropout calls {same} of {len(states[0])} drew the same masks on both ranks"
+
+
+class Counting(torch.nn.Module):
+    """A stand-in for the sharded model: each forward (an all-gather of every layer in 08) and its images."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, images):
+        self.seen.append(images[:, 0].long().tolist())
+        return torch.zeros(len(images), 10)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_every_rank_takes_as_many_evaluation_batches_as_rank_0(n, monkeypatch):
+    """In-process, each rank's evaluate() at world size n with the tests' TEST_BATCH: a rank with one batch more
+    than the others would wait in its extra forward's all-gather while they all-reduce, a hang (120 s)."""
+    fsdp = load_script("08_fsdp.py")
+    monkeypatch.setattr(fsdp.dist, "all_reduce", lambda tensor, *args, **kwargs: None)  # each rank's own sums
+    monkeypatch.setattr(fsdp.dist, "broadcast", lambda tensor, *args, **kwargs: None)
+    data = (torch.arange(QUICK_TEST_IMAGES).float().reshape(-1, 1), torch.zeros(QUICK_TEST_IMAGES, dtype=torch.long))
+    args = fsdp.parse_args(["--test-batch-size", str(TEST_BATCH)])
+    forwards, images, sizes = [], [], []
+    for rank in range(n):
+        world = SimpleNamespace(rank=rank, world_size=n, device=torch.device("cpu"), is_main=rank == 0)
+        net = Counting()
+        fsdp.evaluate(net, data, range(rank, QUICK_TEST_IMAGES, n), args, world)
+        forwards.append(len(net.seen))
+        images += [i for batch in net.seen for i in batch]
+        sizes += [len(batch) for batch in net.seen]
+    assert len(set(forwards)) == 1, f"forwards per rank at world size {n}: {forwards}"
+    assert sorted(images) == list(range(QUICK_TEST_IMAGES))  # every test image once
+    assert max(sizes) <= TEST_BATCH, sizes
 
 
 def test_08_keeps_every_definition_of_03_that_sharding_does_not_change():

@@ -5,6 +5,7 @@ import tarfile
 import time
 
 from bench import gpu_check
+from conftest import busy_note, slack
 
 PY = sys.executable
 
@@ -18,7 +19,8 @@ def test_every_step_is_bounded_and_reported_and_the_archive_holds_what_they_wrot
     monkeypatch.setattr(gpu_check, "steps", stand_ins)
     started = time.monotonic()
     assert gpu_check.main(["--out", str(tmp_path / "out")]) == 1
-    assert time.monotonic() - started < 60  # the hanging step cost its bound, not ten minutes
+    took = time.monotonic() - started
+    assert took < 3 + slack(57), f"{took:.0f} s ({busy_note()})"  # the hanging step cost its bound, not ten minutes
     log = (tmp_path / "out" / "gpu-check.log").read_text()
     assert "== passes: ok" in log and "all well" in log
     assert "== fails: FAILED (exit code 1)" in log and "broken on purpose" in log

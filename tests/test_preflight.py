@@ -12,7 +12,11 @@ import time
 import pytest
 
 from bench import plan, processes, report, runs_csv, sweep
-from conftest import fake_command
+from bench.commands import repo_relative
+from bench.flags import BadArgument
+from bench.run_all import check_no_stray_runs
+from bench.family import REPO
+from conftest import busy_note, fake_command
 from tests.test_bench import TINY, gpu_settings, harness, read_runs
 
 QUICK = ["--cpu", "2", "--synthetic", "--epochs", "1", *TINY]
@@ -34,7 +38,8 @@ def test_a_collective_that_cannot_connect_skips_the_runs_that_need_it_and_resume
     assert "GLOO_SOCKET_IFNAME" in skipped["error"]  # the fix, from bench.checks.advice
     report = (out / "report.md").read_text()
     assert "ddp_launch-n2-b16-r1" in report and "all-reduce at n = 2 failed" in report
-    assert took < 240, took  # the collective's bound and 01, not a run timeout per skipped run
+    # The collective's bound and 01, not a run timeout per skipped run.
+    assert took < 240, f"{took:.0f} s ({busy_note()})"
     result = harness(*QUICK, "--modes", "01,03", "--out", out, "--resume", timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert read_runs(out)["status"].tolist() == ["ok", "ok"]
@@ -115,3 +120,21 @@ def test_resume_refuses_while_runs_of_the_earlier_sweep_still_train(tmp_path):
         stray.kill()
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert f"pid {stray.pid}" in result.stderr and "still running" in result.stderr
+
+
+def test_resume_sees_a_stray_run_whose_metrics_path_is_relative_to_the_repository(tmp_path):
+    """A sweep into the default folder (results/<label>, inside the repository) starts its runs with
+    --metrics-json relative to the repository, as a user would type it: a stray of such a sweep names no absolute
+    path, and must still stop --resume."""
+    out = os.path.join(REPO, "results", f"stray-test-{os.getpid()}-{tmp_path.name}")  # never created
+    metrics = repo_relative(os.path.join(out, "metrics", "single-n1-b16-r1.json"))
+    assert not os.path.isabs(metrics), metrics  # what the harness passes (bench.commands.commands)
+    stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "--metrics-json", metrics],
+                             cwd=REPO)
+    try:
+        with pytest.raises(BadArgument) as refused:
+            check_no_stray_runs(out)
+    finally:
+        stray.kill()
+        stray.wait()
+    assert f"pid {stray.pid}" in str(refused.value) and "still running" in str(refused.value)

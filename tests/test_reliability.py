@@ -20,7 +20,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT, TORCHRUN, free_port, launcher_env, run, run_two_nodes, script_command, start
+from conftest import (ROOT, TORCHRUN, busy_note, free_port, launcher_env, load_script, run, run_two_nodes,
+                      script_command, start)
 
 # One thread per process everywhere: two "nodes" on one host would otherwise take two each, and a different
 # number of threads sums in a different order (equal weights, not bitwise equal). 20 steps an epoch: snapshots
@@ -49,7 +50,7 @@ def wait_for(condition, timeout, what, job=None, interval=0.005):
         if job is not None and job.process.poll() is not None:
             pytest.fail(f"the job ended (exit {job.process.returncode}) before {what}:\n{job.tail()}")
         if time.monotonic() > deadline:
-            pytest.fail(f"{timeout} s passed before {what}" + (f":\n{job.tail()}" if job else ""))
+            pytest.fail(f"{timeout} s passed before {what} ({busy_note()})" + (f":\n{job.tail()}" if job else ""))
         time.sleep(interval)
 
 
@@ -77,7 +78,7 @@ class Job:
             self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            pytest.fail(f"{what}: still running {timeout} s later:\n{self.tail()}")
+            pytest.fail(f"{what}: still running {timeout} s later ({busy_note()}):\n{self.tail()}")
         for reader in self.readers:
             reader.join(timeout=10)
         return self.process.returncode, "".join(self.out), "".join(self.err)
@@ -158,6 +159,17 @@ def test_the_last_snapshot_follows_the_outputs_and_a_finished_job_has_nothing_to
     assert failed.returncode != 0 and "IsADirectoryError" in failed.stderr, failed.stderr
     assert (out / "model.pt").exists() and not (out / "metrics.json").exists()
     assert snapshot_position(out / "snapshot.pt") == (1, 16), "the last snapshot was taken before the outputs"
+    saved = "world size 2, --batch-size 32, --seed 1, 20 steps an epoch"
+    files = lambda: {path: path.read_bytes() for path in out.iterdir() if path.is_file()}  # noqa: E731
+    before = files()
+    # Step 16 of 20 resumed at 10 steps an epoch would start past the epoch's end: the same batch size and
+    # world size, yet another layout (accepted, it trained no step and reported a NaN loss at 0 samples/s).
+    fewer_steps = run(torchrun_06(out, quick_mnist_dir, "--max-steps", 10), check=False)
+    assert fewer_steps.returncode != 0 and (  # each rank says it: their lines may interleave
+        f"error: snapshot {out / 'snapshot.pt'} is from {saved}, not {saved.replace('20 steps', '10 steps')}: "
+        "match it or move it") in fewer_steps.stderr, fewer_steps.stderr
+    assert f'File "{SCRIPT}"' not in fewer_steps.stderr, fewer_steps.stderr  # no worker's traceback (torchrun has one)
+    assert files() == before, "a refused resume changed the outputs or the snapshot"
     (out / "metrics.json.tmp").rmdir()
     assert "epoch 1, step 16" in run(torchrun_06(out, quick_mnist_dir)).stdout  # where run 1 stopped
     assert_same_training(out, uninterrupted)
@@ -166,7 +178,6 @@ def test_the_last_snapshot_follows_the_outputs_and_a_finished_job_has_nothing_to
     before = {path: path.read_bytes() for path in out.iterdir()}
     result = run(torchrun_06(out, quick_mnist_dir))
     assert "nothing to do" in result.stderr
-    saved = "world size 2, --batch-size 32, --seed 1, 20 steps an epoch"
     one = by_hand(1, "--data-dir", quick_mnist_dir, "--snapshot", out / "snapshot.pt", *TRAIN)[0]
     returncode, _, stderr = one.finish(60, "one process given a snapshot of two")
     assert returncode == 1 and error_lines(stderr) == [
@@ -232,7 +243,7 @@ def test_a_lost_peer_ends_the_other_rank_within_the_timeout_in_one_line(how, qui
     assert returncode == 1 and len(errors) == 1 and "Traceback" not in stderr, stderr
     assert errors[0].startswith("error: rank 0 stopped (a peer lost, or --timeout passed): "), errors[0]
     assert re.search(said, errors[0]), errors[0]  # gloo's words, after its source file and line
-    assert took < {"killed": 5, "stopped": timeout + 5}[how], f"{took:.1f} s after its peer was {how}"
+    assert took < {"killed": 5, "stopped": timeout + 5}[how], f"{took:.1f} s after its peer was {how} ({busy_note()})"
 
 
 def test_timeout_bounds_the_wait_for_torchruns_store(quick_mnist_dir):
@@ -338,7 +349,8 @@ def test_a_killed_rank_ends_the_job_quickly_and_says_why(launch, quick_mnist_dir
         returncode, _, stderr = job.finish(30, "the job, one of its ranks killed")
     finally:
         job.kill()
-    assert returncode != 0 and time.monotonic() - killed < 30
+    took = time.monotonic() - killed
+    assert returncode != 0 and took < 30, f"exit {returncode}, {took:.0f} s after the kill ({busy_note()})"
     if launch == "spawn":  # ours to word; torchrun adds its own report, traceback included
         assert "Traceback" not in stderr and "process 1: SIGKILL, killed from outside" in stderr, stderr
     else:
@@ -432,6 +444,37 @@ def test_the_slowest_rank_sets_the_clock(quick_mnist_dir, tmp_path):
     assert returncode == 0, stderr
     epoch2 = json.loads((tmp_path / "m.json").read_text())["epochs_detail"][1]
     assert epoch2["train_time_s"] >= 5 and epoch2["steady_time_s"] >= 5  # rank 0's own clock: well under 1 s
+
+
+@pytest.mark.parametrize("script", ["03_ddp_launch.py", "04_ddp_spawn.py", "05_multinode_mnist.py",
+                                    "06_fault_tolerant.py", "08_fsdp.py"])
+def test_the_record_takes_the_time_of_the_slowest_rank(script, tmp_path, monkeypatch):
+    """In-process, rank 0 of two: its clock reads 1 s a step, the other rank (a stand-in all-reduce) took 20 s
+    for the epoch, 10 of them after the warm-up. The record has the other's seconds and its samples/s from them:
+    not rank 0's own, nor a sum or a mean of the ranks'."""
+    module = load_script(script)
+    ticks = iter(range(100))
+    monkeypatch.setattr(module, "clock", lambda device: float(next(ticks)))
+    other_rank = torch.tensor([20.0, 10.0], dtype=torch.float64)  # (whole epoch, after the warm-up)
+
+    def all_reduce(tensor, op=module.dist.ReduceOp.SUM, **kwargs):
+        combine = {module.dist.ReduceOp.MAX: torch.maximum, module.dist.ReduceOp.MIN: torch.minimum,
+                   module.dist.ReduceOp.SUM: torch.add, module.dist.ReduceOp.AVG: lambda a, b: (a + b) / 2}[op]
+        tensor.copy_(combine(tensor, other_rank))
+    monkeypatch.setattr(module.dist, "all_reduce", all_reduce)
+    world = SimpleNamespace(rank=0, world_size=2, device=torch.device("cpu"), is_main=True, nodes=1,
+                            backend="gloo", local_rank=0)
+    steps, batch = module.WARMUP_STEPS + 3, 4
+    epochs = []
+    for _ in module.timed([(torch.zeros(batch, 1), torch.zeros(batch))] * steps, world, epochs):
+        pass
+    (epoch,) = epochs
+    assert (epoch["train_time_s"], epoch["steady_time_s"]) == (20, 10), epoch  # rank 0's own: 6 s and 1 s
+    epoch.update(epoch=1, train_loss=1.0, test_loss=1.0, test_accuracy=0.5, test_samples=10, bytes_per_rank=[1, 1],
+                 full_copy_bytes=2)
+    module.write_record(str(tmp_path / "m.json"), module.parse_args([]), world, epochs)
+    record = json.loads((tmp_path / "m.json").read_text())
+    assert record["samples_per_s"] == epoch["steady_samples"] / 10 == (steps - module.WARMUP_STEPS) * 2 * batch / 10
 
 
 def test_an_interrupted_metrics_write_leaves_the_old_file_whole(quick_mnist_dir, tmp_path):
