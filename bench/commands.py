@@ -36,7 +36,7 @@ def commands(run, settings, metrics_path, snapshot_path):
     common = ["--batch-size", mode.batch.loader_batch(run.per_device_batch, n), "--epochs", settings.epochs,
               "--test-batch-size", settings.test_batch_size, "--seed", settings.seed + run.repeat - 1,
               "--metrics-json", repo_relative(metrics_path)]
-    common += ["--max-steps", steps_per_epoch(run, settings)] if settings.max_steps else []
+    common += ["--max-steps", steps_per_epoch(run, settings)] if settings.epoch_images else []
     common += ["--synthetic"] if settings.synthetic else ["--data-dir", settings.data_dir]
     # On the CPU the n processes share the host's cores; the scripts' own rule counts processes per node,
     # which would give each of 05's two "nodes" on one host twice its share.

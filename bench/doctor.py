@@ -79,10 +79,11 @@ def writable(path):
 
 def doctor_settings(gpus, args, work):
     """The sweep's settings (its GPUs, its n) with a tiny run of each mode: tiny MNIST in the doctor's folder.
-    max_steps counts at n = 1 and n devices take 1/n of it (plan.steps_per_epoch): STEPS at the largest n."""
+    An epoch of STEPS global batches at the largest n (plan.steps_per_epoch): STEPS steps there, more below."""
     max_n = len(gpus) or args.cpu or CPU_PROCESSES
     return plan.Settings(
-        gpus=[i for i, _ in gpus], max_n=max_n, per_device_batches=[BATCH], epochs=1, max_steps=STEPS * max_n,
+        gpus=[i for i, _ in gpus], max_n=max_n, per_device_batches=[BATCH], epochs=1,
+        epoch_images=STEPS * BATCH * max_n,
         test_batch_size=TEST_IMAGES, seed=1, synthetic=False, data_dir=os.path.join(work, "data"),
         target_acc=0.98, timeout=RUN_TIMEOUT_S, cores=machine.cpu_cores())
 

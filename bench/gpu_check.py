@@ -29,7 +29,8 @@ def steps(work, cpu):
     where = ["--cpu", "2", "--quick"] if cpu else ["--gpus", "0"]
     tests = ([python, "-m", "pytest", "-q", "-rA", "-m", "gpu", "tests/", "--junitxml", f"{work}/gpu-tests.xml"]
              if importlib.util.find_spec("pytest") else None)  # a bare machine may lack pytest: the step says so
-    sweep = ["--cpu", "1", "--modes", "01", "--max-steps", "20"] if cpu else ["--gpus", "0", "--max-steps", "300"]
+    sweep = (["--cpu", "1", "--modes", "01", "--epoch-images", "1280"] if cpu
+             else ["--gpus", "0", "--epoch-images", "19200"])
     return [
         ("doctor", [python, "bench/doctor.py", *where, "--json", f"{work}/doctor.json"], 120),
         ("gpu tests", tests, 180),

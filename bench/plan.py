@@ -21,7 +21,7 @@ class Settings:
     max_n: int  # devices at most: len(gpus), or CPU processes
     per_device_batches: list  # each swept (--per-gpu-batch)
     epochs: int
-    max_steps: int  # per epoch at n = 1 (0: all); see steps_per_epoch
+    epoch_images: int  # training images per epoch, the same at every n (0: all of MNIST's); see steps_per_epoch
     test_batch_size: int
     seed: int
     synthetic: bool
@@ -108,12 +108,12 @@ def global_batch(run):
 
 
 def steps_per_epoch(run, settings):
-    """--max-steps of a run, 0 for all: max_steps counts at n = 1, and a run whose global batch is k times B takes
-    1/k of them (rounded up), so an epoch has the same images at every n, as a whole epoch of MNIST has, and time
-    to target compares like with like (n x B: 1/n of the steps; ranks that share one batch B: all of them)."""
-    if not settings.max_steps:
+    """The scripts' --max-steps of a run (steps per epoch of each rank), 0 for all: epoch_images over the run's
+    global batch, rounded up, so an epoch has the same images at every n, as a whole epoch of MNIST has, and time
+    to target compares like with like."""
+    if not settings.epoch_images:
         return 0
-    return math.ceil(settings.max_steps * run.per_device_batch / global_batch(run))
+    return math.ceil(settings.epoch_images / global_batch(run))
 
 
 def estimate_s(run, settings):

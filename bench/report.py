@@ -171,7 +171,7 @@ def head(env, summary, settings):
         reference=reference.format(cores=settings.cores),
         rules=markdown(batch_rules(summary), RULES_VIEW),
         per_device_batches=", ".join(map(str, settings.per_device_batches)), epochs=settings.epochs,
-        steps=settings.max_steps or "all", per_n=BLOCKS["steps_at_n_1"] if settings.max_steps else "",
+        images=f"{settings.epoch_images:,}" if settings.epoch_images else "all 60,000",
         test_batch_size=settings.test_batch_size, target_acc=settings.target_acc,
         data=BLOCKS["synthetic"] if settings.synthetic else BLOCKS["mnist"].format(data_dir=settings.data_dir))
 

@@ -19,7 +19,7 @@ from bench.processes import run_processes
 
 AVAILABLE = [m for m in MODES if not plan.unavailable_reason(m)]  # 08 until it is written
 B = 16  # a small per-GPU batch and 6 steps at n = 2 (> the scripts' 5 warm-up steps): quick runs on a busy CPU
-TINY = ["--max-steps", "12", "--per-gpu-batch", B, "--test-batch-size", "1000"]
+TINY = ["--epoch-images", 12 * B, "--per-gpu-batch", B, "--test-batch-size", "1000"]
 
 
 def harness(*args, env=None, timeout=600):
@@ -72,7 +72,7 @@ def test_device_counts_are_one_then_powers_of_two_then_all(max_n, counts):
 
 
 def gpu_settings(ids, per_device_batches=(32,)):
-    return plan.Settings(gpus=ids, max_n=len(ids), per_device_batches=list(per_device_batches), epochs=1, max_steps=0,
+    return plan.Settings(gpus=ids, max_n=len(ids), per_device_batches=list(per_device_batches), epochs=1, epoch_images=0,
                          test_batch_size=1000, seed=1, synthetic=True, data_dir="data", target_acc=0.98, timeout=60,
                          cores=16)
 
@@ -307,8 +307,8 @@ def test_the_default_cpu_sweep_runs_each_mode_once_with_the_same_images_in_each_
     for line in (line for line in out.splitlines() if "-b64-r1: " in line):
         n, argv = int(line.split("-n")[1].split("-")[0]), line.split()
         steps = int(argv[argv.index("--max-steps") + 1])
-        assert steps * n == defaults["max_steps"], line  # steps of n x 64 images
-    settings = dataclasses.replace(gpu_settings([]), max_n=1, **{k: defaults[k] for k in ("epochs", "max_steps")})
+        assert steps * n * 64 == defaults["epoch_images"], line  # steps of n x 64 images
+    settings = dataclasses.replace(gpu_settings([]), max_n=1, **{k: defaults[k] for k in ("epochs", "epoch_images")})
     runs, _ = plan.plan(settings, MODES, [("base", [])], repeats=1)
     assert {r.mode for r in runs} == set(AVAILABLE) - {"ddp_multinode"}  # --cpu 1: every mode at n = 1
 
@@ -319,7 +319,7 @@ def test_the_estimate_before_the_default_cpu_sweep_is_within_a_fifth_of_the_comm
     committed = read_runs(ROOT / "results" / "cpu-2core-amd-epyc").set_index("run_id")
     defaults = run_all.DEFAULTS["cpu"]
     settings = dataclasses.replace(gpu_settings([]), max_n=defaults["processes"], cores=2, per_device_batches=[64],
-                                   synthetic=False, **{k: defaults[k] for k in ("epochs", "max_steps")})
+                                   synthetic=False, **{k: defaults[k] for k in ("epochs", "epoch_images")})
     runs, _ = plan.plan(settings, MODES, [("base", [])], repeats=1)
     assert sorted(r.run_id for r in runs) == sorted(committed.index)
     for run in runs:
@@ -332,7 +332,7 @@ def test_the_time_left_during_a_sweep_is_the_estimates_left_at_the_pace_of_the_r
                                                                                         capsys):
     """This machine took twice its estimates: the time left is twice the estimates left, whatever the runs' sizes
     (the n = 2 runs of a CPU sweep train as many images as 01, with twice the processes to start)."""
-    settings = dataclasses.replace(gpu_settings([]), max_n=2, epochs=3, max_steps=300, cores=2)
+    settings = dataclasses.replace(gpu_settings([]), max_n=2, epochs=3, epoch_images=300 * 64, cores=2)
     runs, _ = plan.plan(settings, ["single", "ddp_launch", "ddp_spawn"], [("base", [])], repeats=1)
     runs = runs + [dataclasses.replace(runs[-1], per_device_batch=512)]  # a run of another size
     clock = [0.0]
@@ -375,7 +375,7 @@ def test_time_to_target_counts_training_time_until_the_first_epoch_at_target():
     (["--per-gpu-batch", "x"], "argument --per-gpu-batch: expected a whole number, got 'x'"),
     (["--per-gpu-batch", "0"], "argument --per-gpu-batch: must be at least 1, got 0"),  # was a ZeroDivisionError
     (["--epochs", "0"], "argument --epochs: must be at least 1"),
-    (["--max-steps", "-1"], "argument --max-steps: must be at least 0"),
+    (["--epoch-images", "-1"], "argument --epoch-images: must be at least 0"),
     (["--timeout", "nan"], "argument --timeout: must be at least 1.0, got nan"),
     (["--variant", "nameless"], "--variant"),
     (["--variant", "base=--lr 2"], "(not base)"),
@@ -425,7 +425,7 @@ def test_unwritable_output_and_missing_data_are_refused_before_any_run(tmp_path)
 # ---- every mode takes the harness's commands; a real sweep: a failed run does not stop it, --resume redoes it
 
 @pytest.mark.parametrize("settings", [gpu_settings(["0", "1", "2", "3"]), dataclasses.replace(
-    gpu_settings([]), max_n=2, synthetic=False, max_steps=6)], ids=["4 GPUs", "2 CPU processes"])
+    gpu_settings([]), max_n=2, synthetic=False, epoch_images=6 * 64)], ids=["4 GPUs", "2 CPU processes"])
 def test_every_script_accepts_the_commands_the_harness_gives_it(settings, tmp_path):
     """Each planned command's script flags, parsed by that script's own parse_args (the sweep below runs some
     of the modes for real; tests/test_trainers.py trains every mode as a user starts it)."""

@@ -305,7 +305,7 @@ def test_runs_that_need_a_failed_collective_or_follow_a_hang_are_skipped_not_run
 @pytest.mark.parametrize("cpu, gpus", [(1, 0), (2, 0), (3, 0), (4, 0), (8, 0), (None, 1), (None, 2), (None, 8)])
 def test_every_training_run_of_the_doctor_takes_steps_past_the_scripts_warm_up(cpu, gpus, tmp_path):
     """Its samples/s leaves the warm-up steps out: a run of no more steps times only warm-up (n = 2 had fallen to
-    3 steps once max_steps counted at n = 1). The steps as the commands the doctor builds give them, no run."""
+    3 steps once). The steps as the commands the doctor builds give them, no run."""
     args = doctor.parse_args(["--cpu", str(cpu)] if cpu else [])
     settings = doctor.doctor_settings([(str(i), "NVIDIA H200") for i in range(gpus)], args, str(tmp_path))
     largest, _ = doctor.largest_runs(settings)

@@ -29,7 +29,7 @@ def test_loader_speed_reports_the_loader_alone_over_whole_epochs(tmp_path):
 
 def test_harness_measures_the_loader_alone_and_report_divides_it_by_01s_throughput(tmp_path):
     # A large batch: few batches per epoch keep this test quick; the measurement means the same.
-    settings = plan.Settings(gpus=[], max_n=1, per_device_batches=[1000], epochs=1, max_steps=8, test_batch_size=1000,
+    settings = plan.Settings(gpus=[], max_n=1, per_device_batches=[1000], epochs=1, epoch_images=8 * 1000, test_batch_size=1000,
                              seed=1, synthetic=True, data_dir="data", target_acc=0.98, timeout=60, cores=2)
     (tmp_path / "logs").mkdir()
     loader = measurements.measure_loader(settings, str(tmp_path))

@@ -46,7 +46,7 @@ def test_a_collective_that_cannot_connect_skips_the_runs_that_need_it_and_resume
 
 
 def test_each_runs_timeout_follows_its_estimate_unless_given():
-    settings = dataclasses.replace(gpu_settings([]), timeout=None, epochs=1, max_steps=100)
+    settings = dataclasses.replace(gpu_settings([]), timeout=None, epochs=1, epoch_images=100 * 64)
     run = plan.Run("base", (), "ddp_launch", 2, 64, 1)
     estimate = plan.estimate_s(run, settings)
     assert plan.timeout_s(run, settings) == plan.TIMEOUT_FACTOR * estimate + plan.TIMEOUT_SLACK_S
