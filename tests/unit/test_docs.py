@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from conftest import ROOT, SCRIPTS, TEST_IMAGES, free_port, load_script, run
+from helpers import ROOT, SCRIPTS, TEST_IMAGES, definitions, free_port, load_script, run
 
 # Definitions that every numbered script (07 too) carries word for word.
 SHARED = ["Net", "in_range", "writable", "load_mnist", "batches", "clock"]
@@ -44,12 +44,6 @@ SECTIONS = ["Words you will meet", "Why DDP", "Set-up", "The scripts", "Running 
 # Words a learner meets, each defined in "Words you will meet" (as *word*) before the README uses it anywhere else.
 WORDS = ["rank", "world size", "local rank", "node rank", "collective", "broadcast", "all-reduce", "barrier",
          "backend", "process group", "store", "rendezvous", "launcher", "bucket", "global batch", "replica"]
-
-
-def definitions(script):
-    source = (ROOT / script).read_text()
-    return {node.name: ast.get_source_segment(source, node) for node in ast.parse(source).body
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
 
 
 def metrics_writes(script):
@@ -180,10 +174,10 @@ def test_every_relative_link_and_path_the_docs_cite_exists():
 
 def test_every_test_the_docs_cite_exists():
     tests = {}
-    for file in (ROOT / "tests").glob("test_*.py"):
+    for file in (ROOT / "tests").rglob("test_*.py"):  # both tiers: tests/unit and tests/integration
         for node in ast.walk(ast.parse(file.read_text())):
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
-                tests[node.name] = file.read_text()
+                tests[node.name] = tests.get(node.name, "") + file.read_text()  # a name in two files: either's cases
     record_keys = set(re.findall(r"\b(test_\w+)=", (ROOT / SCRIPTS[0]).read_text()))  # test_loss and the like
     cited = [(page, name, case) for page in PAGES
              for name, case in re.findall(r"`(test_\w+)(?:\[([^\]`]+)\])?`", prose(page)) if name not in record_keys]

@@ -1,13 +1,12 @@
 """08_fsdp.py, run as a user runs it: FSDP2 takes DDP's update, each rank holds 1/n of the weights, gradients and
-optimizer state, evaluation counts every test image once, and the saved model is one plain state dict 01 loads."""
+optimizer state, evaluation counts every test image once, and the saved model is one plain state dict 01 loads
+(its code against 03's, in this process: tests/unit/test_fsdp_code.py)."""
 import json
 
 import pytest
 import torch
 
-from conftest import QUICK_TEST_IMAGES, evaluate_on_one_process, launcher_env, load_script, run, script_command
-from test_docs import definitions
-from test_trainers import train_args
+from helpers import QUICK_TEST_IMAGES, evaluate_on_one_process, load_script, run, script_command, train_args
 
 GLOBAL_BATCH = 96  # = 1 x 96 = 2 x 48 = 3 x 32: every world size takes the same batches of the same order
 # At world size 3 rank 0 tests 334 of the 1,000 images, ranks 1 and 2 333: in batches of 111, 03's loop would give
@@ -86,29 +85,3 @@ def test_sharded_evaluation_counts_every_test_image_once(n, runs, quick_mnist_di
     assert record["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-6)
 
 
-def test_08_keeps_every_definition_of_03_that_sharding_does_not_change():
-    """Flags and their checks, the device and the refusals, the data, the training step and the timing."""
-    fsdp, ddp = definitions("08_fsdp.py"), definitions("03_ddp_launch.py")
-    for name in ["Net", "in_range", "writable", "parse_args", "setup", "load_mnist", "batches", "train_epoch",
-                 "clock", "timed"]:
-        assert fsdp[name] == ddp[name], f"08's {name} differs from 03's"
-
-
-def refusal(script, argv=()):
-    """What the script's setup() exits with, in this process (the test says what torch finds)."""
-    module = load_script(script)
-    with pytest.raises(SystemExit) as exited:
-        module.setup(module.parse_args(list(argv)))
-    return exited.value.code
-
-
-def test_bad_input_is_refused_in_one_line_as_03_refuses_it(monkeypatch):
-    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda"))
-    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
-    for key, value in {**launcher_env(world_size=2), "LOCAL_WORLD_SIZE": "2"}.items():
-        monkeypatch.setenv(key, value)
-    assert refusal("08_fsdp.py") == refusal("03_ddp_launch.py") == (
-        "error: 2 processes on this machine but 1 GPU(s): start fewer, or add --cpu to try DDP on the CPU")
-    assert refusal("08_fsdp.py", ["--lr", "nan"]).startswith("error: argument --lr: must be in")
-    monkeypatch.delenv("RANK")  # started with python, not torchrun
-    assert refusal("08_fsdp.py").startswith("error: start me with torchrun --standalone --nproc_per_node N")

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import TORCHRUN, free_port, load_script, run, script_command, start
+from helpers import TORCHRUN, free_port, load_script, run, script_command, start
 
 pytestmark = pytest.mark.gpu
 

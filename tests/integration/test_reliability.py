@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT, TORCHRUN, free_port, launcher_env, run, run_two_nodes, script_command, start
+from helpers import ROOT, TORCHRUN, free_port, launcher_env, run, run_two_nodes, script_command, start
 
 # One thread per process everywhere: two "nodes" on one host would otherwise take two each, and a different
 # number of threads sums in a different order (equal weights, not bitwise equal). 20 steps an epoch: snapshots
