@@ -31,7 +31,8 @@ LINE_LIMITS = {"01_single_gpu.py": 260, "02_data_parallel.py": 320, "03_ddp_laun
 NUMBERED = sorted(path.name for path in ROOT.glob("0[0-9]_*.py"))
 TOOL = ROOT / "tools" / "script_diffs.py"
 # The Markdown a reader is sent to; docs/diffs/ is generated and checked by the tool.
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "results" / "README.md"]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "results" / "README.md",
+         ROOT / "tests" / "README.md"]
 TOP_LEVEL = {"bench", "tests", "slurm", "docs", "results", "tools", ".ci"}
 README = ROOT / "README.md"
 MAINTAINERS = ROOT / "docs" / "maintainers.md"
