@@ -1,33 +1,18 @@
-"""Shared test fixtures: a small learnable MNIST in torchvision's raw layout, and running scripts as a user does."""
+"""pytest's hooks and the shared fixtures: the markers, the skip of tests marked gpu where there is no CUDA, a small
+learnable MNIST in torchvision's raw layout, and a stand-in nvidia-smi. What the tests share besides: helpers.py."""
 import os
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the bench package, from the repository root
-from bench.fake_mnist import write_fake_mnist  # noqa: E402  (a learnable MNIST in torchvision's raw layout)
-from bench.machine import free_port  # noqa: E402,F401  (the harness's, for the tests' own jobs)
-from bench.family import load_script  # noqa: E402,F401  (a numbered script as a module, to call its functions)
-from bench.commands import TORCHRUN, launch  # noqa: E402,F401  (bench's torchrun; a mode's command)
-from bench.processes import stop  # noqa: E402  (ends a command's whole process group)
-from bench.family import MODES, by_script  # noqa: E402  (the family table: script, parent, launch, batch rule)
-
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = [mode.script for mode in MODES.values()]  # the family, in reading order (bench/family.py)
-TRAIN_IMAGES, TEST_IMAGES = 4096, 10000  # TEST_IMAGES: the size of MNIST's real test split
-QUICK_TEST_IMAGES = 1000  # the tests' test split: 10,000 would make evaluation most of a short run (1,000 too is
-                          # not divisible by 3, so the exact-evaluation tests at world size 3 keep their point)
-# Environment for runs that must not reach the network: any download attempt fails at once.
-NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from helpers import ...` in both tiers' files
+from helpers import NVIDIA_SMI, QUICK_TEST_IMAGES, TRAIN_IMAGES, fake_command, write_fake_mnist  # noqa: E402
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA (skipped where there is none)")
-    config.addinivalue_line("markers", "slow: takes more than half a minute")
     config.addinivalue_line("markers", "slurm: needs root, SLURM and munge (skipped where they are missing)")
 
 
@@ -46,106 +31,11 @@ def quick_mnist_dir(tmp_path_factory):
                                  test=QUICK_TEST_IMAGES))
 
 
-def script_command(script, *args, nprocs=None, launcher=()):
-    """The command a user types, as bench's table of modes starts the script: torchrun for 03, 06 and 08 (nprocs
-    processes, default 1, launcher: torchrun's options); python for the others, and where nprocs is given 04's
-    --nprocs or 07's --devices (05's two nodes: run_two_nodes)."""
-    mode = by_script(script)
-    return launch(mode, ROOT / script, nprocs, launcher) + [str(a) for a in args]
-
-
-def launcher_env(world_size=1):
-    """What torchrun sets for rank 0 of world_size processes, one per node: to start a DDP script by hand."""
-    return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE="1",
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-
-
-def fake_command(bin_dir, name, answers):
-    """A stand-in for a command such as nvidia-smi, first on the PATH this returns: for each argument line in
-    answers (e.g. "topo -m") its canned output, exit status 1 for any other."""
-    cases = "".join(f"  {shlex.quote(args)}) cat <<'EOF'\n{out}\nEOF\n    ;;\n" for args, out in answers.items())
-    path = Path(bin_dir) / name
-    path.write_text(f'#!/bin/sh\ncase "$*" in\n{cases}  *) exit 1 ;;\nesac\n')
-    path.chmod(0o755)
-    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-
-
-def without_linux_only(tmp_path, root=ROOT):
-    """The environment of a run in which the code under root cannot use what only Linux has (the hook in
-    tests/no_linux_only), and the file to which each process of the run writes its pid and what it runs."""
-    hook, log = Path(__file__).resolve().parent / "no_linux_only", Path(tmp_path) / "hooked.txt"
-    path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
-    return dict(PYTHONPATH=path, HIDDEN_FROM=str(root), HIDDEN_LOG=str(log)), log
-
-
-# Tests see the CPU only, so that `pytest` checks the same behaviour on a GPU machine (tests marked gpu excepted).
-CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
-
-
-def load_per_core():
-    """This machine's 1-minute load average per core (None where the OS keeps none): over 1, processes that could
-    run wait for a core, and a wall-time bound measured on a quiet machine may not hold."""
-    return os.getloadavg()[0] / (os.cpu_count() or 1) if hasattr(os, "getloadavg") else None
-
-
-def slack(seconds, most=4):
-    """seconds of slack measured on a quiet machine, stretched by how busy this one is (its load per core, at most
-    `most` times): for work that only waits for a core, never for a wait a bug would add (keep such bounds fixed)."""
-    return seconds * min(most, max(1.0, load_per_core() or 1.0))
-
-
-def busy_note():
-    """What a failed wall-time bound says about the machine: a busy one may explain it (then rerun the test alone)."""
-    load = load_per_core()
-    if load is None:
-        return "no load average on this OS"
-    said = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
-    return said + (": the machine was busy, rerun this test alone" if load > 1 else ": a quiet machine")
-
-
-def run(command, timeout=180, env=None, check=True, **popen):
-    """Run a command from the repository root; a hang fails the test instead of CI, and ends every process of
-    the command (a torchrun or spawn parent killed alone would leave its workers using the CPU)."""
-    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True, **popen,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", **CPU_ONLY, **(env or {})}) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            stop([proc])
-            proc.communicate()
-            raise
-    result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    if check:
-        assert result.returncode == 0, f"{command} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
-        assert "Traceback" not in result.stderr, result.stderr
-    return result
-
-
-def start(command, env=None):
-    """Start a command in the background (one "node" of a multi-node job)."""
-    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **CPU_ONLY, **(env or {})})
-
-
-def run_two_nodes(*args, gpus=1, timeout=180, env=None):
-    """05 as two "nodes" on this host: node 1 in the background, node 0 in front. Returns node 0's result."""
-    port = free_port()
-    common = ["-n", 2, "-g", gpus, "--master-port", port, *args]
-    node1 = start(script_command("05_multinode_mnist.py", *common, "--nr", 1), env=env)
-    try:
-        node0 = run(script_command("05_multinode_mnist.py", *common, "--nr", 0), timeout=timeout, env=env)
-        assert node1.wait(timeout=60) == 0, node1.communicate()
-    finally:
-        node1.kill()
-    return node0
-
-
-def evaluate_on_one_process(mnist_dir, weights):
-    """What one process (01's code) makes of the given weights: the reference for distributed evaluations."""
-    single = load_script("01_single_gpu.py")
-    args = single.parse_args(["--data-dir", str(mnist_dir)])
-    test_data = single.load_mnist(args, train=False)
-    net = single.Net()
-    net.load_state_dict(weights)
-    return single.evaluate(net, test_data, range(len(test_data[1])), args, None)
+@pytest.fixture
+def two_gpus(tmp_path, monkeypatch):
+    """nvidia-smi lists two GPUs; another process holds 40 GB of GPU 0 (helpers.NVIDIA_SMI)."""
+    if os.name == "nt":
+        pytest.skip("the stand-in nvidia-smi is a shell script")
+    env = fake_command(tmp_path, "nvidia-smi", NVIDIA_SMI)
+    monkeypatch.setenv("PATH", env["PATH"])
+    return env

@@ -1,20 +1,15 @@
 """08_fsdp.py, run as a user runs it: FSDP2 takes DDP's update, each rank holds 1/n of the weights, gradients and
-optimizer state, evaluation counts every test image once, and the saved model is one plain state dict 01 loads."""
+optimizer state, evaluation counts every test image once, and the saved model is one plain state dict 01 loads
+(its code against 03's, in this process: tests/unit/test_fsdp_code.py)."""
 import json
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import QUICK_TEST_IMAGES, evaluate_on_one_process, launcher_env, load_script, run, script_command
-from test_docs import definitions
-from test_trainers import train_args
+from helpers import FSDP_TEST_BATCH as TEST_BATCH, QUICK_TEST_IMAGES, evaluate_on_one_process, load_script, run, script_command, train_args
 
 GLOBAL_BATCH = 96  # = 1 x 96 = 2 x 48 = 3 x 32: every world size takes the same batches of the same order
-# At world size 3 rank 0 tests 334 of the 1,000 images, ranks 1 and 2 333: in batches of 111, 03's loop would give
-# rank 0 a fourth batch (of one image), so one forward, one all-gather of each layer, more than the others.
-TEST_BATCH = 111
 
 
 class Runs(dict):
@@ -122,65 +117,3 @@ def test_each_rank_draws_its_own_dropout_masks(quick_mnist_dir, tmp_path):
     assert len(states[0]) == len(states[1]) >= 4, states  # two dropout layers, two steps (evaluation: none)
     same = [i for i, (mine, theirs) in enumerate(zip(*states)) if mine == theirs]
     assert not same, f"dropout calls {same} of {len(states[0])} drew the same masks on both ranks"
-
-
-class Counting(torch.nn.Module):
-    """A stand-in for the sharded model: each forward (an all-gather of every layer in 08) and its images."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def forward(self, images):
-        self.seen.append(images[:, 0].long().tolist())
-        return torch.zeros(len(images), 10)
-
-
-@pytest.mark.parametrize("n", [2, 3])
-def test_every_rank_takes_as_many_evaluation_batches_as_rank_0(n, monkeypatch):
-    """In-process, each rank's evaluate() at world size n with the tests' TEST_BATCH: a rank with one batch more
-    than the others would wait in its extra forward's all-gather while they all-reduce, a hang (120 s)."""
-    fsdp = load_script("08_fsdp.py")
-    monkeypatch.setattr(fsdp.dist, "all_reduce", lambda tensor, *args, **kwargs: None)  # each rank's own sums
-    monkeypatch.setattr(fsdp.dist, "broadcast", lambda tensor, *args, **kwargs: None)
-    data = (torch.arange(QUICK_TEST_IMAGES).float().reshape(-1, 1), torch.zeros(QUICK_TEST_IMAGES, dtype=torch.long))
-    args = fsdp.parse_args(["--test-batch-size", str(TEST_BATCH)])
-    forwards, images, sizes = [], [], []
-    for rank in range(n):
-        world = SimpleNamespace(rank=rank, world_size=n, device=torch.device("cpu"), is_main=rank == 0)
-        net = Counting()
-        fsdp.evaluate(net, data, range(rank, QUICK_TEST_IMAGES, n), args, world)
-        forwards.append(len(net.seen))
-        images += [i for batch in net.seen for i in batch]
-        sizes += [len(batch) for batch in net.seen]
-    assert len(set(forwards)) == 1, f"forwards per rank at world size {n}: {forwards}"
-    assert sorted(images) == list(range(QUICK_TEST_IMAGES))  # every test image once
-    assert max(sizes) <= TEST_BATCH, sizes
-
-
-def test_08_keeps_every_definition_of_03_that_sharding_does_not_change():
-    """Flags and their checks, the device and the refusals, the data, the training step and the timing."""
-    fsdp, ddp = definitions("08_fsdp.py"), definitions("03_ddp_launch.py")
-    for name in ["Net", "in_range", "writable", "parse_args", "setup", "load_mnist", "batches", "train_epoch",
-                 "clock", "timed"]:
-        assert fsdp[name] == ddp[name], f"08's {name} differs from 03's"
-
-
-def refusal(script, argv=()):
-    """What the script's setup() exits with, in this process (the test says what torch finds)."""
-    module = load_script(script)
-    with pytest.raises(SystemExit) as exited:
-        module.setup(module.parse_args(list(argv)))
-    return exited.value.code
-
-
-def test_bad_input_is_refused_in_one_line_as_03_refuses_it(monkeypatch):
-    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda"))
-    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
-    for key, value in {**launcher_env(world_size=2), "LOCAL_WORLD_SIZE": "2"}.items():
-        monkeypatch.setenv(key, value)
-    assert refusal("08_fsdp.py") == refusal("03_ddp_launch.py") == (
-        "error: 2 processes on this machine but 1 GPU(s): start fewer, or add --cpu to try DDP on the CPU")
-    assert refusal("08_fsdp.py", ["--lr", "nan"]).startswith("error: argument --lr: must be in")
-    monkeypatch.delenv("RANK")  # started with python, not torchrun
-    assert refusal("08_fsdp.py").startswith("error: start me with torchrun --standalone --nproc_per_node N")

@@ -4,11 +4,10 @@ Two DDP processes (gloo) run in-process through torch.multiprocessing for the cl
 buffers, the `module.` prefix, the wrong-device ValueError, TORCH_DISTRIBUTED_DEBUG); the errors a user meets
 at the command line are reproduced by starting a script as the user would, with a timeout. The README's
 errors that need a GPU (everything on GPU 0, DataParallel's memory on GPU 0, NCCL's own errors) cite torch's
-source instead and are not claimed here.
+source instead and are not claimed here. What the README says of PyTorch that one process shows:
+tests/unit/test_readme_claims_in_process.py.
 """
-import argparse
 import inspect
-import multiprocessing
 import os
 import socket
 import subprocess
@@ -23,9 +22,8 @@ import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from conftest import CPU_ONLY, NO_NETWORK, ROOT, TORCHRUN, free_port, launcher_env, run
+from helpers import CPU_ONLY, NO_NETWORK, ROOT, TORCHRUN, free_port, launcher_env, run
 
 WORLD_SIZE = 2
 MICRO_BATCHES = 4  # gradient accumulation: 4 micro-batches, one optimizer step
@@ -199,59 +197,10 @@ def test_a_ddp_state_dict_has_module_prefixes_and_the_fix_loads(ranks):
     nn.Linear(2, 2).load_state_dict(state)
 
 
-def test_a_dataparallel_state_dict_has_module_prefixes_even_on_the_cpu():
-    assert sorted(nn.DataParallel(nn.Linear(2, 2)).state_dict()) == ["module.bias", "module.weight"]
-
-
 def test_torch_distributed_debug_detail_names_the_mismatched_collectives(ranks):
     said = ranks[0]["mismatch"] + ranks[1]["mismatch"]
     assert "Detected mismatch between collectives on ranks" in said, said
     assert "ALLREDUCE" in said and "BROADCAST" in said, said
-
-
-def test_a_device_string_with_a_space_is_invalid():
-    with pytest.raises(RuntimeError, match=r"Invalid device string: 'cuda: 1'"):
-        torch.device("cuda: 1")  # the post's spelling
-    assert torch.device("cuda:1") == torch.device("cuda", 1)
-
-
-def test_an_old_parser_takes_both_spellings_of_local_rank_with_one_more_option_string():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--local-rank", "--local_rank", type=int, default=-1)
-    assert parser.parse_args(["--local-rank=3"]).local_rank == 3  # what the legacy launcher passes now
-    assert parser.parse_args(["--local_rank=2"]).local_rank == 2  # what it passed before PyTorch 2.0
-    assert not callable(getattr(multiprocessing, "spawn", None)) and callable(mp.spawn)  # the post's import
-
-
-def test_an_evaluation_sampler_of_every_world_size_th_image_counts_each_once():
-    test_set = TensorDataset(torch.arange(10))
-    seen = [i for rank in range(3)
-            for (batch,) in DataLoader(test_set, batch_size=4, sampler=range(rank, len(test_set), 3))
-            for i in batch.tolist()]
-    assert sorted(seen) == list(range(10))
-    padded = [i for rank in range(3) for i in DistributedSampler(test_set, 3, rank, shuffle=False)]
-    assert len(padded) == 12  # DistributedSampler repeats two images to even out the shards
-
-
-def test_a_dataloader_draws_from_the_global_random_state_unless_given_a_generator():
-    data = TensorDataset(torch.arange(8))
-    torch.manual_seed(0)
-    iter(DataLoader(data, shuffle=True))
-    after_plain = torch.rand(1)
-    torch.manual_seed(0)
-    iter(DataLoader(data, shuffle=True, generator=torch.Generator().manual_seed(0)))
-    after_own = torch.rand(1)
-    torch.manual_seed(0)
-    assert after_own == torch.rand(1) and after_plain != after_own  # the plain loader moved the global state
-
-
-def test_the_data_loader_advice_warns_on_a_small_cpu_machine():
-    data = TensorDataset(torch.arange(8.0))
-    with pytest.warns(UserWarning, match="'pin_memory' argument is set as true but no accelerator is found"):
-        next(iter(DataLoader(data, pin_memory=True)))
-    too_many = (os.cpu_count() or 1) + 2
-    with pytest.warns(UserWarning, match=f"will create {too_many} worker processes in total"):
-        DataLoader(data, num_workers=too_many).check_worker_number_rationality()
 
 
 def test_a_taken_master_port_fails_with_address_already_in_use():
@@ -299,7 +248,3 @@ def listening(port):
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_the_default_timeouts_are_30_minutes_and_10_with_nccl():
-    from torch.distributed import constants
-    assert constants.default_pg_timeout.total_seconds() == 30 * 60
-    assert constants.default_pg_nccl_timeout.total_seconds() == 10 * 60

@@ -1,31 +1,17 @@
-"""The trainers, run as a user runs them: they learn, agree with each other, and count every test image once."""
+"""The trainers, run as a user runs them: they learn, agree with each other, and count every test image once
+(their parts in this process: tests/unit/test_trainer_parts.py)."""
 import ast
 import json
 import re
-import runpy
 import sys
-import time
-from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.utils.data import DistributedSampler
 
-from conftest import (MODES, NO_NETWORK, QUICK_TEST_IMAGES, ROOT, SCRIPTS, TORCHRUN, by_script, evaluate_on_one_process,
-                      launcher_env, load_script, run, run_two_nodes, script_command)
+from helpers import (EPOCH_KEYS, NO_NETWORK, QUICK_TEST_IMAGES, RECORD_KEYS, ROOT, SCRIPTS, TORCHRUN,
+                     by_script, evaluate_on_one_process, load_script, run, run_two_nodes, script_command, train_args)
 
-# Every key of the metrics record in the design contract (shared/DESIGN.md; docs/benchmark.md lists them too).
-RECORD_KEYS = {"schema", "script", "mode", "device_type", "device_names", "world_size", "nodes", "backend",
-               "per_device_batch", "global_batch", "lr", "epochs", "steps", "train_samples", "samples_per_s",
-               "epochs_detail", "test_accuracy", "test_loss", "peak_memory_bytes", "synthetic", "torch_version", "argv"}
-EPOCH_KEYS = {"epoch", "train_time_s", "train_loss", "test_loss", "test_accuracy", "test_samples"}
 B = 32  # per-replica batch of the comparison runs; the single-process runs take 2 * B
-
-
-def train_args(data_dir, out, *extra):
-    return ["--data-dir", data_dir, "--metrics-json", out / "metrics.json", "--save-model", out / "model.pt",
-            "--log-interval", 1, *extra]
 
 
 def run_mode(script, data_dir, out, *extra, timeout=180):
@@ -125,112 +111,11 @@ def test_evaluation_counts_every_test_image_once(world_size, quick_mnist_dir, tm
     assert record["test_loss"] == pytest.approx(loss, rel=1e-6)
 
 
-def test_each_epoch_has_its_own_shuffle_and_the_group_is_destroyed(quick_mnist_dir, monkeypatch):
-    """03 run in this process as `python 03_ddp_launch.py` under a launcher, a world of one: the first training
-    batch of each of two epochs is recorded as the sampler hands out its order."""
-    seen = []
-    real_iter = DistributedSampler.__iter__
-
-    def recording_iter(sampler):  # evaluation takes no sampler: every call is training's
-        order = list(real_iter(sampler))
-        seen.append(order[:8])
-        return iter(order)
-
-    monkeypatch.setattr(DistributedSampler, "__iter__", recording_iter)
-    for key, value in launcher_env().items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setattr(sys, "argv", ["03_ddp_launch.py", "--data-dir", str(quick_mnist_dir), "--epochs", "2",
-                                      "--max-steps", "2", "--batch-size", "8", "--log-interval", "0", "--cpu"])
-    runpy.run_path(str(ROOT / "03_ddp_launch.py"), run_name="__main__")
-    assert len(seen) == 2 and seen[0] != seen[1]
-    assert not dist.is_initialized()
-
-
 def test_one_process_per_node_downloads_and_a_missing_dataset_fails_clearly(tmp_path):
     result = run(script_command("03_ddp_launch.py", "--data-dir", tmp_path, nprocs=2), env=NO_NETWORK, check=False)
     assert result.returncode != 0
     assert result.stderr.count("MNIST could not be loaded") == 1, result.stderr  # rank 1 waited, it did not try
     assert "--synthetic" in result.stderr
-
-
-def test_taking_a_batch_costs_under_2_percent_of_a_training_step(quick_mnist_dir):
-    """The input pipeline is never what is measured: time spent getting batches while 01 trains."""
-    single = load_script("01_single_gpu.py")
-    args = single.parse_args(["--data-dir", str(quick_mnist_dir), "--log-interval", "0", "--cpu"])
-    world = single.setup(args)
-    data = [t.to(world.device) for t in single.load_mnist(args, train=True)]
-    net = single.Net().to(world.device)
-    spent = []
-
-    def timed_batches(batches):
-        while True:
-            start = time.perf_counter()
-            batch = next(batches, None)
-            spent.append(time.perf_counter() - start)
-            if batch is None:
-                return
-            yield batch
-
-    order = torch.randperm(len(data[1]))[:30 * args.batch_size]
-    start = time.perf_counter()
-    single.train_epoch(net, timed_batches(single.batches(data, order, args.batch_size)),
-                       torch.optim.Adadelta(net.parameters()), args, world, epoch=2)
-    train_time_s = time.perf_counter() - start
-    assert len(spent) == 31  # 30 batches, then the end
-    assert sum(spent) <= 0.02 * train_time_s, f"{sum(spent):.4f} s of {train_time_s:.2f} s"
-
-
-class FakeClock:
-    """A stand-in for a script's clock(): each training step takes `seconds(step)`, as the test says."""
-
-    def __init__(self, seconds):
-        self.now, self.seconds, self.step = 0.0, seconds, 0
-
-    def __call__(self, device):
-        return self.now
-
-    def steps(self, batches):
-        for batch in batches:
-            yield batch
-            self.now += self.seconds(self.step)
-            self.step += 1
-
-
-def timed_epochs(script, clock, world, steps, monkeypatch, epochs=1):
-    """The script's timed() over `steps` batches of 4 images per epoch, each step timed by clock."""
-    module = load_script(script)
-    monkeypatch.setattr(module, "clock", clock)
-    record = []
-    data = (torch.zeros(steps * 4, 1, 28, 28), torch.zeros(steps * 4, dtype=torch.long))
-    for _ in range(epochs):
-        for _ in clock.steps(module.timed(module.batches(data, range(steps * 4), 4), world, record)):
-            pass
-    return record
-
-
-def test_warm_up_steps_are_left_out_of_the_throughput(monkeypatch):
-    """Warm-up steps that take 10 s each, then steps of 1 s: the steady time holds only the latter."""
-    clock = FakeClock(lambda step: 10.0 if step < 5 else 1.0)
-    world = SimpleNamespace(device=torch.device("cpu"), world_size=1)
-    first, second = timed_epochs("01_single_gpu.py", clock, world, steps=12, epochs=2, monkeypatch=monkeypatch)
-    assert (first["train_time_s"], first["steady_time_s"], first["steady_samples"]) == (57.0, 7.0, 7 * 4)
-    assert (second["train_time_s"], second["steady_time_s"], second["steady_samples"]) == (1.0 * 12, 12.0, 48)
-    short = timed_epochs("01_single_gpu.py", FakeClock(lambda step: 10.0 if step < 2 else 1.0), world, steps=3,
-                         monkeypatch=monkeypatch)[0]
-    assert (short["steady_time_s"], short["steady_samples"]) == (1.0, 4)  # at least one step is timed
-
-
-def test_the_slowest_rank_sets_the_clock_and_the_sums_cover_every_rank(monkeypatch):
-    """03's timed() with a stand-in for the all-reduce: a second rank that trained as much, 5 s slower."""
-    def all_reduce(tensor, op=dist.ReduceOp.SUM):
-        assert op == dist.ReduceOp.MAX, "only the time needs the other ranks: every rank trains as many samples"
-        tensor += 5.0
-    monkeypatch.setattr(dist, "all_reduce", all_reduce)
-    world = SimpleNamespace(device=torch.device("cpu"), world_size=2)
-    epoch = timed_epochs("03_ddp_launch.py", FakeClock(lambda step: 1.0), world, steps=8,
-                         monkeypatch=monkeypatch)[0]
-    assert (epoch["train_time_s"], epoch["steady_time_s"]) == (8.0 + 5, 3.0 + 5)
-    assert (epoch["train_samples"], epoch["steady_samples"]) == (2 * 8 * 4, 2 * 3 * 4)
 
 
 MEASURE_MARK = re.compile(r"#\s*measure\b")
@@ -259,8 +144,6 @@ def test_deleting_the_measurement_leaves_a_script_that_trains(script, quick_mnis
     accuracy = float(re.search(r"epoch 1: train loss [\d.]+, accuracy ([\d.]+)%", result.stdout).group(1))
     assert accuracy > 50, result.stdout  # chance is 10%
     assert "samples/s" not in result.stdout and (tmp_path / "model.pt").exists()
-
-
 
 
 def replaced(source, name, new_definition):

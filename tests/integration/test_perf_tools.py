@@ -5,10 +5,8 @@ import sys
 
 import pandas as pd
 import pytest
-import torch
-from torchvision import datasets
 
-from conftest import ROOT, load_script, write_fake_mnist
+from helpers import ROOT, load_script
 from bench import measurements, plan, report
 
 
@@ -29,7 +27,8 @@ def test_loader_speed_reports_the_loader_alone_over_whole_epochs(tmp_path):
 
 def test_harness_measures_the_loader_alone_and_report_divides_it_by_01s_throughput(tmp_path):
     # A large batch: few batches per epoch keep this test quick; the measurement means the same.
-    settings = plan.Settings(gpus=[], max_n=1, per_device_batches=[1000], epochs=1, epoch_images=8 * 1000, test_batch_size=1000,
+    settings = plan.Settings(gpus=[], max_n=1, per_device_batches=[1000], epochs=1,
+                             epoch_images=8 * 1000, test_batch_size=1000,
                              seed=1, synthetic=True, data_dir="data", target_acc=0.98, timeout=60, cores=2)
     (tmp_path / "logs").mkdir()
     loader = measurements.measure_loader(settings, str(tmp_path))
@@ -54,13 +53,6 @@ def test_allreduce_reports_busbw_from_algbw_and_includes_the_gradient_size(tmp_p
         assert r["algbw_gb_s"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9)
     assert "4,799,528" in out.stdout and "model's gradient" in out.stdout
     assert "torch_version" in json.loads((tmp_path / "env.json").read_text())
-
-
-def test_fake_mnist_has_the_requested_sizes_in_torchvisions_layout(tmp_path):
-    write_fake_mnist(tmp_path, train=300, test=200)
-    train, test = datasets.MNIST(tmp_path, train=True), datasets.MNIST(tmp_path, train=False)
-    assert (len(train), len(test)) == (300, 200)
-    assert train.data.dtype == torch.uint8 and set(train.targets.tolist()) <= set(range(10))
 
 
 @pytest.mark.parametrize("tool", ["allreduce", "loader_speed"])

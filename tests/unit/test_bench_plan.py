@@ -1,66 +1,22 @@
-"""The benchmark harness, run as a user runs it: `python bench/run_all.py ...` on the CPU with tiny settings."""
+"""The benchmark harness's planning, commands, report and progress, in this process: the batch-size rules, each
+mode's command and its script's own parse_args, the efficiency and the limit model, the estimate against a
+committed sweep (the sweep itself, run as a user runs it: tests/integration/test_bench_sweeps.py)."""
 import dataclasses
-import math
 import json
+import math
 import os
-import stat
-import subprocess
 import sys
 import uuid
 
 import pandas as pd
 import pytest
 
-from conftest import ROOT, TORCHRUN, load_script, script_command
+from helpers import MODES, ROOT, TORCHRUN, gpu_settings, has_marker, load_script, read_runs, script_command
 from bench import doctor, flags, plan, plots, report, run_all, runs_csv, sweep
 from bench.commands import commands
-from bench.family import MODES
 from bench.processes import run_processes
 
 AVAILABLE = [m for m in MODES if not plan.unavailable_reason(m)]  # 08 until it is written
-B = 16  # a small per-GPU batch and 6 steps at n = 2 (> the scripts' 5 warm-up steps): quick runs on a busy CPU
-TINY = ["--epoch-images", 12 * B, "--per-gpu-batch", B, "--test-batch-size", "1000"]
-
-
-def harness(*args, env=None, timeout=600):
-    """The harness as a user starts it. Past the timeout it gets SIGTERM, as from a user's kill: it then
-    stops its runs (started in sessions of their own, a SIGKILL of the harness would leave them running)."""
-    with subprocess.Popen([sys.executable, "bench/run_all.py", *map(str, args)], cwd=ROOT, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment(env)) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.terminate()
-            proc.communicate(timeout=60)
-            raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-
-
-def environment(env):
-    """os.environ updated with env, less the variables env maps to None."""
-    return {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
-
-
-def read_runs(out):
-    return pd.read_csv(out / "runs.csv", keep_default_na=False, na_values=[""])
-
-
-def executable(path, text):
-    path.write_text(text)
-    path.chmod(path.stat().st_mode | stat.S_IEXEC)
-
-
-@pytest.fixture(scope="module")
-def fake_machine(tmp_path_factory):
-    """PATH with an nvidia-smi that lists 8 GPUs, and a `python` and `torchrun` that fail: the harness must
-    start every run with its own interpreter, never with whatever `python` comes first on PATH."""
-    bin_dir = tmp_path_factory.mktemp("bin")
-    gpus = "".join(f"echo '{i}, GPU-{i:04d}, NVIDIA H200'\n" for i in range(8))
-    executable(bin_dir / "nvidia-smi", f"#!/bin/sh\n[ \"$1\" = topo ] && exit 1\n{gpus}")
-    for name in ("python", "torchrun"):
-        executable(bin_dir / name, f"#!/bin/sh\necho 'the {name} on PATH ran' >&2\nexit 97\n")
-    # A CUDA_VISIBLE_DEVICES of the real machine (SLURM and many clouds set one) would choose among its GPUs.
-    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": None}
 
 
 # ---- the plan and the batch-size rules, without running anything
@@ -69,12 +25,6 @@ def fake_machine(tmp_path_factory):
                                            (8, [1, 2, 4, 8])])
 def test_device_counts_are_one_then_powers_of_two_then_all(max_n, counts):
     assert plan.device_counts(max_n) == counts
-
-
-def gpu_settings(ids, per_device_batches=(32,)):
-    return plan.Settings(gpus=ids, max_n=len(ids), per_device_batches=list(per_device_batches), epochs=1, epoch_images=0,
-                         test_batch_size=1000, seed=1, synthetic=True, data_dir="data", target_acc=0.98, timeout=60,
-                         cores=16)
 
 
 def test_cpu_runs_share_the_cores_each_process_getting_cores_over_n_threads():
@@ -122,7 +72,7 @@ def test_gpu_commands_follow_the_batch_size_rules_and_use_the_harness_interprete
 
 
 def test_the_tests_start_each_script_as_the_harness_does():
-    """conftest's script_command reads the same table of modes: the same launcher and process count (05's
+    """helpers' script_command reads the same table of modes: the same launcher and process count (05's
     nodes and the harness's own flags aside), 08 too before it exists; torchrun's options go before the script."""
     settings = gpu_settings(["0", "1"])
     for mode in MODES:
@@ -152,22 +102,6 @@ def test_each_variant_is_a_name_and_its_script_flags_the_last_of_a_name_counting
     args = run_all.parse_args(["--variant", "lr2=--lr 2", "--variant", "nodrop=--no-dropout --seed 3",
                                "--variant", "lr2=--lr 0.5"])
     assert args.variants == [("lr2", ["--lr", "0.5"]), ("nodrop", ["--no-dropout", "--seed", "3"])]
-
-
-def test_cuda_visible_devices_set_by_the_user_chooses_the_gpus_and_gpus_counts_within_them(tmp_path, fake_machine):
-    env = {**fake_machine, "CUDA_VISIBLE_DEVICES": "4,5,6,7"}
-    result = harness("--synthetic", "--dry-run", "--out", tmp_path / "out", env=env, timeout=60)
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    assert "  ddp_launch-n4-b64-r1: CUDA_VISIBLE_DEVICES=4,5,6,7 torchrun --standalone --nproc_per_node 4 " \
-           "03_ddp_launch.py --batch-size 64" in "\n".join(lines)
-    assert any(line.startswith("  single-n1-b64-r1: CUDA_VISIBLE_DEVICES=4 python 01_single_gpu.py") for line in lines)
-    assert not list(tmp_path.iterdir())  # a dry run runs and writes nothing (its check of --out leaves nothing)
-    result = harness("--synthetic", "--dry-run", "--gpus", "1,2", "--per-gpu-batch", "64,512", "--out", tmp_path,
-                     env=env, timeout=60)
-    assert "  ddp_spawn-n2-b512-r1: CUDA_VISIBLE_DEVICES=5,6 python 04_ddp_spawn.py --nprocs 2" in result.stdout
-    assert "roughly" in result.stdout.splitlines()[0] and "runs planned" in result.stdout.splitlines()[0]
-    assert not list(tmp_path.iterdir())
 
 
 def hand_made_summary(device_type="cuda"):
@@ -364,71 +298,11 @@ def test_time_to_target_counts_training_time_until_the_first_epoch_at_target():
     assert sweep.time_to_target({"epochs_detail": epochs}, 0.995) is None
 
 
-# ---- bad arguments: one line on stderr, exit 2, nothing run
-
-@pytest.mark.parametrize("args, message", [
-    (["--modes", "single,pipeline"], "unknown mode pipeline"),
-    (["--gpus", "9"], "GPU 9 does not exist: 8 GPU(s) visible"),
-    (["--repeats", "0"], "argument --repeats: must be at least 1"),
-    (["--cpu", "0"], "argument --cpu: must be at least 1"),
-    (["--gpus", "0", "--cpu", "2"], "not allowed with argument"),
-    (["--per-gpu-batch", "x"], "argument --per-gpu-batch: expected a whole number, got 'x'"),
-    (["--per-gpu-batch", "0"], "argument --per-gpu-batch: must be at least 1, got 0"),  # was a ZeroDivisionError
-    (["--epochs", "0"], "argument --epochs: must be at least 1"),
-    (["--epoch-images", "-1"], "argument --epoch-images: must be at least 0"),
-    (["--timeout", "nan"], "argument --timeout: must be at least 1.0, got nan"),
-    (["--variant", "nameless"], "--variant"),
-    (["--variant", "base=--lr 2"], "(not base)"),
-    (["--resume", "--force"], "not allowed with argument"),
-    (["--out", "{file}"], "cannot create output folder"),  # --out is a file
-    (["--out", "{file}/out"], "cannot create output folder"),  # --out's parent is a file
-])
-def test_bad_arguments_give_one_line_and_exit_2(tmp_path, fake_machine, args, message):
-    """... and nothing is written: the file in the way keeps its bytes, and nothing is left beside it."""
-    blocker = tmp_path / "a-file"
-    blocker.write_text("kept")
-    args = [arg.format(file=blocker) for arg in args]
-    result = harness("--synthetic", "--out", tmp_path / "out", *args, env=fake_machine, timeout=60)  # the last --out
-    assert result.returncode == 2, result
-    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ") and message in result.stderr, \
-        result.stderr
-    assert not (tmp_path / "out").exists()
-    assert [p.name for p in tmp_path.iterdir()] == ["a-file"] and blocker.read_text() == "kept"
-
-
-@pytest.mark.parametrize("program", [run_all, doctor], ids=["run_all", "doctor"])
-def test_every_number_flag_of_the_harness_and_the_doctor_is_refused_out_of_range_as_it_is_read(program):
-    """The class, not the cases: each number flag has a bounded type of bench/flags.py (a bare int or float takes
-    0, -1 and NaN), and each bound holds: NaN, infinity, a word and a value past either end give one line."""
-    numbers = [a for a in program.parser()._actions if a.type is not None and a.option_strings]
-    assert not [a.dest for a in numbers if a.type in (int, float)], "a number flag without bounds"
-    for action in [a for a in numbers if hasattr(a.type, "bounds")]:
-        low, high = action.type.bounds
-        flag = action.option_strings[-1]
-        for bad in ["nan", "inf", "-inf", "x", str(low - 1)] + ([str(high + 1)] if high < math.inf else []):
-            with pytest.raises(flags.BadArgument, match=f"^argument {flag}: (must be|expected)"):
-                program.parse_args([flag, bad])
-        assert program.parse_args([flag, str(low)]) is not None  # the bound itself is taken
-
-
-def test_unwritable_output_and_missing_data_are_refused_before_any_run(tmp_path):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
-    result = harness("--cpu", "1", "--synthetic", "--out", blocker / "out", timeout=60)
-    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "cannot create output folder" in result.stderr
-    result = harness("--cpu", "1", "--data-dir", tmp_path / "empty", "--no-download", "--out", tmp_path / "o",
-                     timeout=60)
-    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "MNIST is not in" in result.stderr
-    assert not (tmp_path / "o").exists()
-
-
-# ---- every mode takes the harness's commands; a real sweep: a failed run does not stop it, --resume redoes it
-
 @pytest.mark.parametrize("settings", [gpu_settings(["0", "1", "2", "3"]), dataclasses.replace(
     gpu_settings([]), max_n=2, synthetic=False, epoch_images=6 * 64)], ids=["4 GPUs", "2 CPU processes"])
 def test_every_script_accepts_the_commands_the_harness_gives_it(settings, tmp_path):
     """Each planned command's script flags, parsed by that script's own parse_args (the sweep below runs some
-    of the modes for real; tests/test_trainers.py trains every mode as a user starts it)."""
+    of the modes for real; tests/unit/test_each_mode_runs.py trains every mode as a user starts it)."""
     runs, _ = plan.plan(settings, MODES, [("base", [])], repeats=1)
     assert {run.mode for run in runs} == set(AVAILABLE)
     for run in runs:
@@ -436,158 +310,6 @@ def test_every_script_accepts_the_commands_the_harness_gives_it(settings, tmp_pa
             script = next(arg for arg in argv if arg.endswith(".py"))
             args = load_script(script).parse_args(argv[argv.index(script) + 1:])
             assert args.batch_size == run.per_device_batch * (run.n if run.mode == "dp" else 1), argv
-
-FAIL_01 = """import os, sys
-if os.path.basename(sys.argv[0]) == "01_single_gpu.py" and os.environ.get("BENCH_TEST_FAIL_01"):
-    sys.exit("01 failed on purpose")
-"""
-
-
-SWEPT = ["single", "ddp_multinode", "ddp_fault_tolerant"]  # 01, the two "nodes" of 05, and 06's snapshots
-SWEEP = ["--cpu", "2", "--modes", ",".join(SWEPT), *TINY]
-
-
-@pytest.fixture(scope="module")
-def full_sweep(tmp_path_factory, quick_mnist_dir, fake_machine):
-    """A CPU sweep of three modes, twice: first with 01 failing (a sitecustomize.py that every Python process
-    of the sweep loads), then --resume without that failure."""
-    out, hooks = tmp_path_factory.mktemp("sweep") / "results", tmp_path_factory.mktemp("hooks")
-    (hooks / "sitecustomize.py").write_text(FAIL_01)
-    args = [*SWEEP, "--data-dir", quick_mnist_dir, "--out", out]
-    env = {**fake_machine, "PYTHONPATH": str(hooks)}
-    first = harness(*args, env={**env, "BENCH_TEST_FAIL_01": "1"}, timeout=900)  # 3 runs
-    first_runs = read_runs(out)
-    second = harness(*args, "--resume", env=env)
-    return first, first_runs, second, out
-
-
-@pytest.mark.slow
-def test_a_failed_run_is_recorded_and_the_sweep_goes_on(full_sweep):
-    first, runs, _, out = full_sweep
-    assert first.returncode == 1, first.stdout + first.stderr
-    runs = runs.set_index("run_id")
-    assert runs.loc[f"single-n1-b{B}-r1", "status"] == "failed" and runs.loc[f"single-n1-b{B}-r1", "exit_code"] == 1
-    assert "01 failed on purpose" in runs.loc[f"single-n1-b{B}-r1", "log_tail"]
-    assert f"FAILED: single-n1-b{B}-r1" in first.stderr
-    others = runs.drop(f"single-n1-b{B}-r1")  # every later run, each started with the harness's own Python
-    assert (others["status"] == "ok").all(), others[["status", "error", "log_tail"]]
-
-
-@pytest.mark.slow
-def test_resume_redoes_only_the_failed_run_and_the_sweep_covers_its_modes(full_sweep):
-    _, first_runs, second, out = full_sweep
-    assert second.returncode == 0, second.stdout + second.stderr
-    runs = read_runs(out)
-    n_runs = len(runs)
-    assert f"{n_runs} runs planned, {n_runs - 1} already done (--resume), 1 to do" in second.stdout
-    assert (runs["status"] == "ok").all(), runs[["run_id", "status", "error"]]
-    later = runs[runs["mode"] != "single"]
-    assert list(later["started_at"]) == list(first_runs[first_runs["mode"] != "single"]["started_at"])
-    expected = [("single", 1), ("ddp_fault_tolerant", 2), ("ddp_multinode", 2)]  # 06 at n = 1: only with --cpu 1
-    assert sorted(zip(runs["mode"], runs["n"])) == sorted(expected)
-    assert [line.split(":")[0] for line in second.stdout.splitlines() if line.startswith("[")] == \
-        [f"[1/1] single n=1 (processes) single-n1-b{B}-r1"] * 2  # progress: a start and an end line per run
-
-
-@pytest.mark.slow
-def test_recorded_batches_follow_the_rules(full_sweep):
-    out = full_sweep[3]
-    for _, row in read_runs(out).iterrows():
-        record = json.loads((out / row["metrics_path"]).read_text())
-        argv = record["argv"]
-        assert record["global_batch"] == record["per_device_batch"] * record["world_size"], row["run_id"]
-        assert row["global_batch"] == record["global_batch"] and record["world_size"] == row["n"]
-        loader_batch = row["n"] * B if row["mode"] == "dp" else B  # 02 splits n x B over its GPUs
-        assert int(argv[argv.index("--batch-size") + 1]) == row["loader_batch"] == loader_batch
-        assert record["global_batch"] == row["n"] * B and record["mode"] == row["mode"]
-        assert record["per_device_batch"] == row["per_device_batch"] == B  # the plan's, in runs.csv
-        if row["mode"] == "ddp_multinode":
-            assert record["nodes"] == 2
-
-
-@pytest.mark.slow
-def test_summary_compares_with_01_at_n_1(full_sweep):
-    """A CPU sweep: its n processes share the cores of 01, so E(n) is X(n) / X(01) at every n."""
-    summary = pd.read_csv(full_sweep[3] / "summary.csv").set_index(["mode", "n"])
-    base = summary.loc[("single", 1), "samples_per_s"]
-    assert summary.loc[("single", 1), "efficiency"] == pytest.approx(1)
-    for (mode, n), row in summary.iterrows():
-        assert row["speedup"] == pytest.approx(row["samples_per_s"] / base)
-        assert row["efficiency"] == pytest.approx(row["samples_per_s"] / base) and row["device_type"] == "cpu"
-
-
-@pytest.mark.slow
-def test_sweep_writes_plots_report_environment_and_one_log_per_run(full_sweep):
-    out = full_sweep[3]
-    for png in ("throughput.png", "efficiency.png", "time_to_target.png", "accuracy.png"):
-        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
-    text = (out / "report.md").read_text()
-    for part in [f"## Summary: per-GPU batch {B}", "throughput.png", "## Environment", "## Commands",
-                 "torchrun --standalone", "--nr 0", "--nr 1", "python bench/run_all.py --cpu 2"] + SWEPT:
-        assert part in text, part
-    assert not list(out.rglob("*.pt"))  # 06's snapshots: measured, then deleted, so results stay small
-    env = json.loads((out / "env.json").read_text())
-    for key in ("host", "cpu_model", "cpu_cores", "torch_version", "cuda_runtime_version", "nccl_version",
-                "matmul_allow_tf32", "cudnn_allow_tf32", "cudnn_benchmark", "cudnn_deterministic", "cudnn_version",
-                "harness_command", "python"):
-        assert key in env, key
-    assert env["python"] == sys.executable
-    # the all-reduce of the gradient at n = 2, measured before the runs, and every DDP run against its limit
-    allreduce = env["allreduce"]["2"]
-    assert allreduce["backend"] == "gloo" and allreduce["world_size"] == 2, allreduce
-    assert allreduce["gradient_row"]["bytes"] == 4_799_528 and allreduce["gradient_row"]["time_us"] > 0
-    limits = text.split("## Limit model", 1)[1].split("\n## ", 1)[0]
-    assert "% of the limit" in limits and "t1 = n x B / X(01)" in limits
-    for mode in ("ddp_multinode", "ddp_fault_tolerant"):
-        assert f"| {mode} | 2 |" in limits, mode
-    assert all((out / path).stat().st_size > 0 for path in read_runs(out)["log_path"])
-    assert not [p for p in out.rglob("*") if ".tmp" in p.name], "a temporary file was left behind"
-
-
-@pytest.mark.slow
-def test_a_finished_sweep_is_never_overwritten_and_resumes_only_with_its_settings(full_sweep, quick_mnist_dir):
-    out = full_sweep[3]
-    before = (out / "runs.csv").read_text()
-    args = ["--data-dir", quick_mnist_dir, "--out", out, *SWEEP]
-    again = harness(*args, timeout=120)
-    assert again.returncode == 2 and "--resume" in again.stderr
-    other = harness(*args, "--test-batch-size", "500", "--resume", timeout=120)  # the last one counts
-    assert other.returncode == 2 and "other settings (test_batch_size)" in other.stderr
-    assert (out / "runs.csv").read_text() == before
-
-
-@pytest.mark.slow
-def test_a_run_past_its_timeout_is_killed_with_all_its_processes(tmp_path):
-    marker = uuid.uuid4().hex  # inherited by every process the run starts, torchrun's workers too
-    result = harness("--cpu", "1", "--modes", "ddp_launch", "--synthetic", *TINY, "--timeout", "3",
-                     "--out", tmp_path / "r", env={"BENCH_TEST_MARKER": marker}, timeout=180)
-    assert result.returncode == 1, result.stdout + result.stderr
-    row = read_runs(tmp_path / "r").iloc[0]
-    assert row["status"] == "timeout" and "3 s timeout" in row["error"]
-    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and has_marker(pid, marker)]
-
-
-def test_a_run_past_its_timeout_is_stopped_with_every_process_of_its_group(tmp_path):
-    """In-process: a command whose parent does not pass a signal on (a shell, its two children). torchrun and
-    04's parent end their own workers, so only a signal to the whole process group shows in this one."""
-    marker = uuid.uuid4().hex
-    command = ({"BENCH_TEST_MARKER": marker}, ["sh", "-c", "sleep 300 & sleep 300"])
-    try:
-        code, timed_out = run_processes([command], [tmp_path / "run.log"], timeout=1)
-        assert timed_out and code != 0, (code, timed_out)
-        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and has_marker(pid, marker)]
-        assert not left, f"processes of the stopped run still running: {left}"
-    finally:
-        for pid in [pid for pid in os.listdir("/proc") if pid.isdigit() and has_marker(pid, marker)]:
-            os.kill(int(pid), 9)
-
-
-def has_marker(pid, marker):
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f"BENCH_TEST_MARKER={marker}".encode() in f.read()
-    except OSError:
-        return False
 
 
 def test_a_fresh_clone_sweeps_beside_the_results_it_ships(tmp_path, monkeypatch, capsys):
@@ -606,3 +328,33 @@ def test_a_fresh_clone_sweeps_beside_the_results_it_ships(tmp_path, monkeypatch,
     assert run_all.default_out(label, resume=False) == str(tmp_path / f"{label}-3")
     assert run_all.default_out(label, resume=True) == str(tmp_path / f"{label}-2")
     assert (shipped / "runs.csv").read_text() == "the repository's own sweep\n"
+
+
+@pytest.mark.parametrize("program", [run_all, doctor], ids=["run_all", "doctor"])
+def test_every_number_flag_of_the_harness_and_the_doctor_is_refused_out_of_range_as_it_is_read(program):
+    """The class, not the cases: each number flag has a bounded type of bench/flags.py (a bare int or float takes
+    0, -1 and NaN), and each bound holds: NaN, infinity, a word and a value past either end give one line."""
+    numbers = [a for a in program.parser()._actions if a.type is not None and a.option_strings]
+    assert not [a.dest for a in numbers if a.type in (int, float)], "a number flag without bounds"
+    for action in [a for a in numbers if hasattr(a.type, "bounds")]:
+        low, high = action.type.bounds
+        flag = action.option_strings[-1]
+        for bad in ["nan", "inf", "-inf", "x", str(low - 1)] + ([str(high + 1)] if high < math.inf else []):
+            with pytest.raises(flags.BadArgument, match=f"^argument {flag}: (must be|expected)"):
+                program.parse_args([flag, bad])
+        assert program.parse_args([flag, str(low)]) is not None  # the bound itself is taken
+
+
+def test_a_run_past_its_timeout_is_stopped_with_every_process_of_its_group(tmp_path):
+    """In-process: a command whose parent does not pass a signal on (a shell, its two children). torchrun and
+    04's parent end their own workers, so only a signal to the whole process group shows in this one."""
+    marker = uuid.uuid4().hex
+    command = ({"BENCH_TEST_MARKER": marker}, ["sh", "-c", "sleep 300 & sleep 300"])
+    try:
+        code, timed_out = run_processes([command], [tmp_path / "run.log"], timeout=1)
+        assert timed_out and code != 0, (code, timed_out)
+        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and has_marker(pid, marker)]
+        assert not left, f"processes of the stopped run still running: {left}"
+    finally:
+        for pid in [pid for pid in os.listdir("/proc") if pid.isdigit() and has_marker(pid, marker)]:
+            os.kill(int(pid), 9)

@@ -5,7 +5,7 @@ import tarfile
 import time
 
 from bench import gpu_check
-from conftest import busy_note, slack
+from helpers import busy_note, slack
 
 PY = sys.executable
 

@@ -1,4 +1,4 @@
-"""The CUDA paths: run on a GPU machine (`pytest -m gpu`); skipped where there is no GPU."""
+"""The CUDA paths: run on a GPU machine (`python -m pytest -q -m gpu tests`); skipped where there is no GPU."""
 import json
 import os
 import warnings
@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import TORCHRUN, free_port, load_script, run, script_command, start
+from helpers import TORCHRUN, free_port, load_script, run, script_command, start
 
 pytestmark = pytest.mark.gpu
 

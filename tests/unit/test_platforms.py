@@ -1,8 +1,8 @@
 """Every machine a reader has. The scripts take CUDA, MPS, XPU or the CPU through torch.accelerator: this machine
 has no accelerator, so stand-ins play each one (torch.accelerator answering as on that machine, no device touched).
-And no call that only Linux has: the harness plans a sweep here, and the doctor trains every numbered script
-(tests/test_doctor.py), with what Windows lacks hidden from the repository's own code (fcntl, resource,
-os.sched_getaffinity); the machine label is worked out as macOS and Windows would."""
+The machine label is worked out as macOS and Windows would, and the harness stops a run as on Windows. (No call
+that only Linux has, with what Windows lacks hidden from the repository's own code, run as a user runs it:
+tests/integration/test_no_linux_only.py.)"""
 import io
 import os
 import re
@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torchvision  # noqa: F401  (it imports torch._dynamo, which reads what stand_in replaces: first)
 
 from bench import machine, processes
-from conftest import ROOT, launcher_env, load_script, run, without_linux_only
+from helpers import ROOT, launcher_env, load_script
 
 CPU = torch.device("cpu")
 # Started by torchrun, they count the GPUs in setup(); 04 and 05 count them once, in the parent's parse_args().
@@ -264,39 +264,8 @@ def test_without_the_os_tool_the_label_is_what_platform_knows(no_linux, monkeypa
     assert label == "cpu-12core-intel64-family-6-model-154-stepping-3-genuineintel"
 
 
-# ---- No call that only Linux has: what Windows lacks, hidden from the repository's code (torch keeps its own).
-
-PROBE = '''
-import importlib, os, torch  # torch imports fcntl for itself
-for attempt in ["import fcntl", "from resource import getrlimit", "importlib.import_module('resource')"]:
-    try:
-        exec(attempt)
-        print("imported:", attempt)
-    except ImportError:
-        print("refused:", attempt)
-print("sched_getaffinity:", hasattr(os, "sched_getaffinity"))
-'''
-# Every numbered script runs under this hook in the doctor's training runs (tests/test_doctor.py).
-
-
-def test_the_hook_refuses_what_windows_lacks_to_the_repositorys_code_only(tmp_path):
-    (tmp_path / "repo").mkdir()
-    (tmp_path / "repo" / "probe.py").write_text(PROBE)
-    env, log = without_linux_only(tmp_path, root=tmp_path / "repo")
-    said = run([sys.executable, str(tmp_path / "repo" / "probe.py")], env=env, timeout=120).stdout.splitlines()
-    assert said == ["refused: import fcntl", "refused: from resource import getrlimit",
-                    "refused: importlib.import_module('resource')", "sched_getaffinity: False"]
-    assert len(log.read_text().splitlines()) == 1
-
-
-def test_the_harness_plans_a_sweep_without_what_only_linux_has(tmp_path, monkeypatch):
-    env, log = without_linux_only(tmp_path)
-    result = run([sys.executable, "bench/run_all.py", "--dry-run"], env=env, timeout=120)
-    assert log.read_text()
-    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # cores as macOS and Windows count them: all
-    folder = re.escape(os.path.join(ROOT, "results", machine.machine_tag([])))
-    assert re.search(rf"runs planned.*; results in {folder}(-\d+)?$", result.stdout.splitlines()[0]), result.stdout
-
+# ---- No call that only Linux has: the harness's way to stop a run (the hook that hides what Windows lacks:
+# tests/integration/test_no_linux_only.py).
 
 def test_on_windows_the_harness_stops_a_run_with_all_it_started_by_taskkill(monkeypatch):
     """Windows has no process groups and no SIGKILL: each run's process tree ends with taskkill /T /F."""

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from conftest import MODES, ROOT, SCRIPTS, TEST_IMAGES, free_port, load_script, run
+from helpers import MODES, ROOT, SCRIPTS, TEST_IMAGES, definitions, free_port, load_script, run
 from bench.family import COMMON_FLAGS
 
 # Definitions that every numbered script carries word for word.
@@ -25,7 +25,8 @@ SHARED = ["Net", "in_range", "writable", "load_mnist", "batches", "clock"]
 NUMBERED = sorted(path.name for path in ROOT.glob("[0-9][0-9]_*.py"))
 TOOL = ROOT / "tools" / "script_diffs.py"
 # The Markdown a reader is sent to; docs/diffs/ is generated and checked by the tool.
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "results" / "README.md"]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "results" / "README.md",
+         ROOT / "tests" / "README.md"]
 TOP_LEVEL = {"bench", "tests", "slurm", "docs", "results", "tools", ".ci"}
 README = ROOT / "README.md"
 MAINTAINERS = ROOT / "docs" / "maintainers.md"
@@ -38,12 +39,6 @@ SECTIONS = ["Words you will meet", "Why DDP", "Set-up", "The scripts", "Running 
 # Words a learner meets, each defined in "Words you will meet" (as *word*) before the README uses it anywhere else.
 WORDS = ["rank", "world size", "local rank", "node rank", "collective", "broadcast", "all-reduce", "barrier",
          "backend", "process group", "store", "rendezvous", "launcher", "bucket", "global batch", "replica"]
-
-
-def definitions(script):
-    source = (ROOT / script).read_text()
-    return {node.name: ast.get_source_segment(source, node) for node in ast.parse(source).body
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
 
 
 def metrics_writes(script):
@@ -196,10 +191,10 @@ def test_every_relative_link_and_path_the_docs_cite_exists():
 
 def test_every_test_the_docs_cite_exists():
     tests = {}
-    for file in (ROOT / "tests").glob("test_*.py"):
+    for file in (ROOT / "tests").rglob("test_*.py"):  # both tiers: tests/unit and tests/integration
         for node in ast.walk(ast.parse(file.read_text())):
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
-                tests[node.name] = file.read_text()
+                tests[node.name] = tests.get(node.name, "") + file.read_text()  # a name in two files: either's cases
     record_keys = set(re.findall(r"\b(test_\w+)=", (ROOT / SCRIPTS[0]).read_text()))  # test_loss and the like
     cited = [(page, name, case) for page in PAGES
              for name, case in re.findall(r"`(test_\w+)(?:\[([^\]`]+)\])?`", prose(page)) if name not in record_keys]

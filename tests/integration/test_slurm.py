@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import QUICK_TEST_IMAGES, ROOT
+from helpers import QUICK_TEST_IMAGES, ROOT
 
 sys.path.insert(0, str(ROOT / "slurm"))
 from local_cluster import NODES, local_cluster, missing_requirements  # noqa: E402

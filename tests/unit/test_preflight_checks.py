@@ -1,48 +1,20 @@
-"""The harness checks the machine before it measures: a collective that cannot connect skips the runs that need it
-(the sweep ends in a minute or two, not hours), each run's timeout follows its estimate, runs inherit nothing of a
-SLURM job or launcher around the harness, busy GPUs are flagged, and --resume refuses while an earlier sweep's
-runs still train."""
+"""The harness's checks before it measures, in this process: each run's timeout follows its estimate, runs inherit
+nothing of a SLURM job or launcher around the harness, and busy GPUs are flagged (the checks in a real sweep:
+tests/integration/test_preflight.py)."""
 import dataclasses
 import os
 import pathlib
 import subprocess
 import sys
-import time
 
 import pytest
 
 from bench import plan, processes, report, runs_csv, sweep
 from bench.commands import repo_relative
+from bench.family import REPO
 from bench.flags import BadArgument
 from bench.run_all import check_no_stray_runs
-from bench.family import REPO
-from conftest import busy_note, fake_command
-from tests.test_bench import TINY, gpu_settings, harness, read_runs
-
-QUICK = ["--cpu", "2", "--synthetic", "--epochs", "1", *TINY]
-
-
-def test_a_collective_that_cannot_connect_skips_the_runs_that_need_it_and_resume_tries_it_again(tmp_path):
-    """gloo told to use an interface that does not exist: the all-reduce before the sweep fails, so 03 at n = 2 is
-    not started (it would fail or hang on its own), saying why and what to do; 01 still runs. --resume, the
-    interface setting gone, measures the all-reduce again and runs 03."""
-    out = tmp_path / "out"
-    started = time.monotonic()
-    result = harness(*QUICK, "--modes", "01,03", "--out", out, env={"GLOO_SOCKET_IFNAME": "nosuchif"}, timeout=300)
-    took = time.monotonic() - started
-    assert result.returncode == 1, result.stdout + result.stderr
-    runs = read_runs(out).set_index("run_id")
-    assert runs.loc["single-n1-b16-r1", "status"] == "ok"
-    skipped = runs.loc["ddp_launch-n2-b16-r1"]
-    assert skipped["status"] == "skipped" and "all-reduce at n = 2 failed" in skipped["error"], skipped
-    assert "GLOO_SOCKET_IFNAME" in skipped["error"]  # the fix, from bench.checks.advice
-    report = (out / "report.md").read_text()
-    assert "ddp_launch-n2-b16-r1" in report and "all-reduce at n = 2 failed" in report
-    # The collective's bound and 01, not a run timeout per skipped run.
-    assert took < 240, f"{took:.0f} s ({busy_note()})"
-    result = harness(*QUICK, "--modes", "01,03", "--out", out, "--resume", timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert read_runs(out)["status"].tolist() == ["ok", "ok"]
+from helpers import fake_command, gpu_settings
 
 
 def test_each_runs_timeout_follows_its_estimate_unless_given():
@@ -57,7 +29,7 @@ def test_each_runs_timeout_follows_its_estimate_unless_given():
 
 def test_runs_inherit_nothing_of_a_slurm_job_or_launcher_around_the_harness(monkeypatch):
     """Inside `sbatch --ntasks-per-node=1`, Lightning would read the job's one task per node and 07 would exit 2
-    at n = 2; under a launcher, RANK and WORLD_SIZE would be the harness's own (tests/test_slurm.py runs the
+    at n = 2; under a launcher, RANK and WORLD_SIZE would be the harness's own (tests/integration/test_slurm.py runs the
     harness in a real batch job)."""
     job = {"SLURM_JOB_ID": "7", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "1", "RANK": "3", "WORLD_SIZE": "4",
            "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "1",
@@ -105,21 +77,6 @@ def test_a_run_on_a_gpu_that_another_process_holds_is_flagged(tmp_path, busy_gpu
     report.write_report(str(tmp_path), frame, summary, env, gpu_settings(["0"]), [], [])
     busy_section = (tmp_path / "report.md").read_text().split("## Runs on busy GPUs")[1].split("##")[0]
     assert "single-n1-b16-r1: GPU 0: 30800 MiB" in busy_section and "r2" not in busy_section
-
-
-def test_resume_refuses_while_runs_of_the_earlier_sweep_still_train(tmp_path):
-    out = tmp_path / "out"
-    (out / "metrics").mkdir(parents=True)
-    (out / "runs.csv").write_text("run_id\n")
-    # A run left behind by a killed harness: its command line names the sweep's metrics folder.
-    stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "--metrics-json",
-                              str(out / "metrics" / "single-n1-b16-r1.json")])
-    try:
-        result = harness(*QUICK, "--modes", "01", "--out", out, "--resume", timeout=120)
-    finally:
-        stray.kill()
-    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-    assert f"pid {stray.pid}" in result.stderr and "still running" in result.stderr
 
 
 def test_resume_sees_a_stray_run_whose_metrics_path_is_relative_to_the_repository(tmp_path):

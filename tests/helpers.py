@@ -1,0 +1,238 @@
+"""What the tests share: running scripts and the harness as a user does, the test MNIST's sizes, and checks that
+more than one test file makes. Test files import from here (`from helpers import ...`), never from each other;
+tests/conftest.py holds only pytest's hooks and fixtures."""
+import ast
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the bench package, from the repository root
+from bench import plan  # noqa: E402  (the harness's Settings, for the tests' own)
+from bench.fake_mnist import write_fake_mnist  # noqa: E402,F401  (a learnable MNIST in torchvision's raw layout)
+from bench.machine import free_port  # noqa: E402  (the harness's, for the tests' own jobs)
+from bench.family import MODES, by_script, load_script  # noqa: E402,F401  (the family table; a script as a module)
+from bench.commands import TORCHRUN, launch  # noqa: E402,F401  (bench's torchrun; a mode's command)
+from bench.processes import stop  # noqa: E402  (ends a command's whole process group)
+
+SCRIPTS = [mode.script for mode in MODES.values()]  # the family, in reading order (bench/family.py)
+TRAIN_IMAGES, TEST_IMAGES = 4096, 10000  # TEST_IMAGES: the size of MNIST's real test split
+QUICK_TEST_IMAGES = 1000  # the tests' test split: 10,000 would make evaluation most of a short run (1,000 too is
+                          # not divisible by 3, so the exact-evaluation tests at world size 3 keep their point)
+# 08's test batch: at world size 3 rank 0 tests 334 of the 1,000 images, ranks 1 and 2 333; in batches of 111,
+# 03's loop would give rank 0 a fourth batch (of one image): one forward, one all-gather of each layer, more.
+FSDP_TEST_BATCH = 111
+# Environment for runs that must not reach the network: any download attempt fails at once.
+NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
+# Tests see the CPU only, so that `pytest` checks the same behaviour on a GPU machine (tests marked gpu excepted).
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def load_per_core():
+    """This machine's 1-minute load average per core (None where the OS keeps none): over 1, processes that could
+    run wait for a core, and a wall-time bound measured on a quiet machine may not hold."""
+    return os.getloadavg()[0] / (os.cpu_count() or 1) if hasattr(os, "getloadavg") else None
+
+
+def slack(seconds, most=4):
+    """seconds of slack measured on a quiet machine, stretched by how busy this one is (its load per core, at most
+    `most` times): for work that only waits for a core, never for a wait a bug would add (keep such bounds fixed)."""
+    return seconds * min(most, max(1.0, load_per_core() or 1.0))
+
+
+def busy_note():
+    """What a failed wall-time bound says about the machine: a busy one may explain it (then rerun the test alone)."""
+    load = load_per_core()
+    if load is None:
+        return "no load average on this OS"
+    said = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    return said + (": the machine was busy, rerun this test alone" if load > 1 else ": a quiet machine")
+
+# Every key of the metrics record in the design contract (shared/DESIGN.md; docs/benchmark.md lists them too).
+RECORD_KEYS = {"schema", "script", "mode", "device_type", "device_names", "world_size", "nodes", "backend",
+               "per_device_batch", "global_batch", "lr", "epochs", "steps", "train_samples", "samples_per_s",
+               "epochs_detail", "test_accuracy", "test_loss", "peak_memory_bytes", "synthetic", "torch_version", "argv"}
+EPOCH_KEYS = {"epoch", "train_time_s", "train_loss", "test_loss", "test_accuracy", "test_samples"}
+
+
+# ---- the numbered scripts, started as a user starts them
+
+def script_command(script, *args, nprocs=None, launcher=()):
+    """The command a user types, as bench's table of modes starts the script: torchrun for 03, 06 and 08 (nprocs
+    processes, default 1, launcher: torchrun's options); python for the others, and where nprocs is given 04's
+    --nprocs or 07's --devices (05's two nodes: run_two_nodes)."""
+    return launch(by_script(script), ROOT / script, nprocs, launcher) + [str(a) for a in args]
+
+
+def train_args(data_dir, out, *extra):
+    """A short training's flags: the record to out/metrics.json, the weights to out/model.pt, a line per step."""
+    return ["--data-dir", data_dir, "--metrics-json", out / "metrics.json", "--save-model", out / "model.pt",
+            "--log-interval", 1, *extra]
+
+
+def outcome(result, out):
+    """A finished run's output, and the record and weights train_args had it write to out."""
+    record = json.loads((out / "metrics.json").read_text())
+    return SimpleNamespace(stdout=result.stdout, stderr=result.stderr, record=record,
+                           weights=torch.load(out / "model.pt"))
+
+
+def launcher_env(world_size=1):
+    """What torchrun sets for rank 0 of world_size processes, one per node: to start a DDP script by hand."""
+    return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+def fake_command(bin_dir, name, answers):
+    """A stand-in for a command such as nvidia-smi, first on the PATH this returns: for each argument line in
+    answers (e.g. "topo -m") its canned output, exit status 1 for any other."""
+    cases = "".join(f"  {shlex.quote(args)}) cat <<'EOF'\n{out}\nEOF\n    ;;\n" for args, out in answers.items())
+    path = Path(bin_dir) / name
+    path.write_text(f'#!/bin/sh\ncase "$*" in\n{cases}  *) exit 1 ;;\nesac\n')
+    path.chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+# nvidia-smi's answers on a machine of two GPUs, 40 GB of GPU 0 held by another process (the fixture two_gpus).
+NVIDIA_SMI = {
+    "--query-gpu=index,uuid,name --format=csv,noheader": "0, GPU-aaaa, NVIDIA H200\n1, GPU-bbbb, NVIDIA H200",
+    "--query-gpu=index,uuid,memory.used --format=csv,noheader,nounits": "0, GPU-aaaa, 40321\n1, GPU-bbbb, 1",
+    "--query-compute-apps=gpu_uuid,pid,process_name,used_memory --format=csv,noheader,nounits":
+        "GPU-aaaa, 4242, /usr/bin/python3, 40310",
+    "topo -m": "\tGPU0\tGPU1\tCPU Affinity\nGPU0\t X \tNV18\t0-15\nGPU1\tNV18\t X \t0-15\n\nLegend:\n  X = Self",
+}
+
+
+def without_linux_only(tmp_path, root=ROOT):
+    """The environment of a run in which the code under root cannot use what only Linux has (the hook in
+    tests/no_linux_only), and the file to which each process of the run writes its pid and what it runs."""
+    hook, log = Path(__file__).resolve().parent / "no_linux_only", Path(tmp_path) / "hooked.txt"
+    path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
+    return dict(PYTHONPATH=path, HIDDEN_FROM=str(root), HIDDEN_LOG=str(log)), log
+
+
+def run(command, timeout=180, env=None, check=True, **popen):
+    """Run a command from the repository root; a hang fails the test instead of CI, and ends every process of
+    the command (a torchrun or spawn parent killed alone would leave its workers using the CPU)."""
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True, **popen,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **CPU_ONLY, **(env or {})}) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop([proc])
+            proc.communicate()
+            raise
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    if check:
+        assert result.returncode == 0, f"{command} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+        assert "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+def start(command, env=None):
+    """Start a command in the background (one "node" of a multi-node job)."""
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **CPU_ONLY, **(env or {})})
+
+
+def run_two_nodes(*args, gpus=1, timeout=180, env=None):
+    """05 as two "nodes" on this host: node 1 in the background, node 0 in front. Returns node 0's result."""
+    port = free_port()
+    common = ["-n", 2, "-g", gpus, "--master-port", port, *args]
+    node1 = start(script_command("05_multinode_mnist.py", *common, "--nr", 1), env=env)
+    try:
+        node0 = run(script_command("05_multinode_mnist.py", *common, "--nr", 0), timeout=timeout, env=env)
+        assert node1.wait(timeout=60) == 0, node1.communicate()
+    finally:
+        node1.kill()
+    return node0
+
+
+def evaluate_on_one_process(mnist_dir, weights):
+    """What one process (01's code) makes of the given weights: the reference for distributed evaluations."""
+    single = load_script("01_single_gpu.py")
+    args = single.parse_args(["--data-dir", str(mnist_dir)])
+    test_data = single.load_mnist(args, train=False)
+    net = single.Net()
+    net.load_state_dict(weights)
+    return single.evaluate(net, test_data, range(len(test_data[1])), args, None)
+
+
+def definitions(script):
+    """{name: source} of each top-level function and class of a script."""
+    source = (ROOT / script).read_text()
+    return {node.name: ast.get_source_segment(source, node) for node in ast.parse(source).body
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+
+
+# ---- bad input: one line on stderr, nothing already written damaged
+
+def assert_fails_clearly(result, expected):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0], result.stderr
+
+
+EARLIER = '{"earlier": "run"}'
+
+
+def with_an_earlier_metrics_file(args, tmp_path):
+    """(the case's arguments with {tmp} filled in, and --metrics-json unless it names one, that file):
+    the file holds an earlier run's record, which a refused run must leave as it was."""
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text(EARLIER)
+    args = [a.format(tmp=tmp_path) for a in args]
+    return (args if "--metrics-json" in args else [*args, "--metrics-json", str(metrics)]), metrics
+
+
+# ---- the harness (bench/run_all.py)
+
+TINY_BATCH = 16  # a small per-GPU batch and 6 steps at n = 2 (> the scripts' 5 warm-up steps): quick runs on a busy CPU
+TINY = ["--epoch-images", 12 * TINY_BATCH, "--per-gpu-batch", TINY_BATCH, "--test-batch-size", "1000"]
+
+
+def harness(*args, env=None, timeout=600):
+    """The harness as a user starts it. Past the timeout it gets SIGTERM, as from a user's kill: it then
+    stops its runs (started in sessions of their own, a SIGKILL of the harness would leave them running)."""
+    with subprocess.Popen([sys.executable, "bench/run_all.py", *map(str, args)], cwd=ROOT, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment(env)) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            proc.communicate(timeout=60)
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def environment(env):
+    """os.environ updated with env, less the variables env maps to None."""
+    return {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+
+
+def read_runs(out):
+    import pandas as pd  # here: the gpu tests are collected where pandas is not installed
+    return pd.read_csv(out / "runs.csv", keep_default_na=False, na_values=[""])
+
+
+def gpu_settings(ids, per_device_batches=(32,)):
+    return plan.Settings(gpus=ids, max_n=len(ids), per_device_batches=list(per_device_batches), epochs=1,
+                         epoch_images=0,
+                         test_batch_size=1000, seed=1, synthetic=True, data_dir="data", target_acc=0.98, timeout=60,
+                         cores=16)
+
+
+def has_marker(pid, marker):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"BENCH_TEST_MARKER={marker}".encode() in f.read()
+    except OSError:
+        return False

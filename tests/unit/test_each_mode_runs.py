@@ -1,0 +1,40 @@
+"""One short run of each mode of the table (bench.family.MODES), started as a user starts it: the script trains on
+the quick MNIST and writes its metrics record. The fast tier's end-to-end check; what each mode guarantees (the
+same update, exact evaluation, restarts) is proved in tests/integration."""
+import json
+import math
+
+import pytest
+
+from bench import plan
+from helpers import (EPOCH_KEYS, MODES, QUICK_TEST_IMAGES, RECORD_KEYS, free_port, run, run_two_nodes,
+                     script_command)
+
+STEPS, BATCH = 2, 32  # per process: two steps of 32 images (64 in one step for the modes of two processes)
+PROCESSES = 2  # where a mode's processes meet in a process group: the smallest world that has to communicate
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_each_mode_trains_and_writes_its_record(name, quick_mnist_dir, tmp_path):
+    mode = MODES[name]
+    if plan.unavailable_reason(name):  # 07 without lightning; a mode whose script this checkout lacks
+        pytest.skip(f"{mode.script}: {plan.unavailable_reason(name)}")
+    metrics = tmp_path / "metrics.json"
+    args = ["--data-dir", quick_mnist_dir, "--epochs", 1, "--max-steps", STEPS, "--batch-size", BATCH,
+            "--log-interval", 0, "--metrics-json", metrics]
+    args += ["--snapshot", tmp_path / "snapshot.pt"] if mode.snapshot else []
+    args += ["--master-port", free_port()] if mode.launch == "spawn" else []  # 04's default port may be taken
+    if mode.launch == "multinode":  # two "nodes" of one process each on this host
+        result = run_two_nodes(*args, timeout=180)
+    else:
+        result = run(script_command(mode.script, *args, nprocs=PROCESSES if mode.collective else None), timeout=180)
+    assert "epoch 1:" in result.stdout, result.stdout
+    record = json.loads(metrics.read_text())
+    world_size = PROCESSES if mode.collective else 1  # 02 on the CPU: one replica, saying so
+    assert RECORD_KEYS <= record.keys(), f"{mode.script} misses {RECORD_KEYS - record.keys()}"
+    assert (record["mode"], record["script"], record["world_size"]) == (name, mode.script, world_size)
+    assert (record["steps"], record["global_batch"]) == (STEPS, world_size * BATCH)
+    assert record["train_samples"] == STEPS * world_size * BATCH
+    (epoch,) = record["epochs_detail"]
+    assert EPOCH_KEYS <= epoch.keys() and epoch["test_samples"] == QUICK_TEST_IMAGES
+    assert math.isfinite(epoch["train_loss"]) and record["samples_per_s"] > 0
