@@ -37,6 +37,7 @@ MODES = {mode.name: mode for mode in [
     Mode("ddp_fault_tolerant", "06_fault_tolerant.py", "torchrun", snapshot=True),
     Mode("lightning", "07_lightning.py", "lightning", needs="lightning"),
     Mode("fsdp", "08_fsdp.py", "torchrun"),  # left out, saying so, while the checkout has no 08
+    Mode("tensor_parallel", "09_tensor_parallel.py", "torchrun"),
 ]}
 
 

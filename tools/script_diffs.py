@@ -30,7 +30,7 @@ from pathlib import Path
 PAIRS = {("01_single_gpu.py", "02_data_parallel.py"): "DP", ("01_single_gpu.py", "03_ddp_launch.py"): "DDP",
          ("03_ddp_launch.py", "04_ddp_spawn.py"): "spawn", ("04_ddp_spawn.py", "05_multinode_mnist.py"): "multinode",
          ("03_ddp_launch.py", "06_fault_tolerant.py"): "06", ("03_ddp_launch.py", "07_lightning.py"): "Lightning",
-         ("03_ddp_launch.py", "08_fsdp.py"): "FSDP"}
+         ("03_ddp_launch.py", "08_fsdp.py"): "FSDP", ("08_fsdp.py", "09_tensor_parallel.py"): "TP"}
 EXCERPT = re.compile(r"(<!-- excerpt (.+?) -->\n).*?(<!-- end excerpt -->)", re.S)
 MAX_EXCERPT_LINES = 25
 PAGE_CONTEXT = 3  # lines of context in the full diffs; the excerpts use 1
