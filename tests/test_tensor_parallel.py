@@ -73,10 +73,10 @@ def test_with_dropout_the_ranks_keep_identical_copies_of_what_is_replicated(n, r
     for name, saved in weights.items():
         held = [rank[name] for rank in ranks]
         if name in SLICED:
-            assert all(placements == ("Shard(dim=0)",) for _, placements in held), (name, held[0][1])
+            assert all(placements == (f"S({SLICED[name]})",) for _, placements in held), (name, held[0][1])
             torch.testing.assert_close(torch.cat([t for t, _ in held], SLICED[name]), saved, rtol=0, atol=0)
         else:
-            assert all(placements in (None, ("Replicate()",)) for _, placements in held), (name, held[0][1])
+            assert all(placements in (None, ("R",)) for _, placements in held), (name, held[0][1])
             for rank, (tensor, _) in enumerate(held):
                 assert torch.equal(tensor, saved), f"{name}: rank {rank}'s copy differs from rank 0's"
     without_dropout = runs["09", n, False][1]
