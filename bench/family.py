@@ -116,6 +116,10 @@ MODES = {mode.name: mode for mode in [
     Mode("fsdp", "08_fsdp.py", "03_ddp_launch.py", "FSDP", 50, 320, TORCHRUN, sharded=True,
          collectives="an all-gather of each layer's weights before its forward and backward, a reduce-scatter "
                      "of its gradients"),
+    Mode("tensor_parallel", "09_tensor_parallel.py", "08_fsdp.py", "TP", 60, 320, TORCHRUN, SHARED,
+         runs_with=lambda n, cpu: 128 % n == 0, why="09 splits fc1's 128 outputs evenly, so n must divide 128",
+         collectives="one all-reduce of fc2's partial outputs (B x 10) in the forward, one of fc1's input "
+                     "gradient (B x 9216) in the backward"),
 ]}
 
 

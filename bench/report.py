@@ -88,7 +88,8 @@ def allreduce_seconds(env):
 
 def limit_model(summary, allreduce_s):
     """Each multi-device row against its limit (the model is explained in the template's limit block)."""
-    rows = with_01(summary[summary["mode"] != REFERENCE], summary).dropna(subset=["x01"])
+    data_parallel = [name for name, mode in MODES.items() if not mode.reference and not mode.batch.shared]
+    rows = with_01(summary[summary["mode"].isin(data_parallel)], summary).dropna(subset=["x01"])
     per_device_batch, n = rows["per_device_batch"], rows["n"]
     t1 = n * per_device_batch / (ideal_speedups(rows) * rows["x01"])  # B / X(01) on GPUs, n B / X(01) on shared cores
     t_ar = n.map(lambda k: 0.0 if k == 1 else allreduce_s.get(k, math.nan))  # NaN: not measured, no limit
@@ -166,6 +167,8 @@ def batch_rules(summary):
 
 def head(env, summary, settings):
     reference = BLOCKS["reference_shared_cores" if shares_cores(summary).any() else "reference_gpus"]
+    shared = [MODES[name].number for name in MODES if MODES[name].batch.shared and name in set(summary["mode"])]
+    reference += BLOCKS["shared_batch"].format(scripts=", ".join(shared)) if shared else ""
     return BLOCKS["head"].format(
         hardware=env["hardware"], devices="processes" if settings.cpu else "GPUs", loader=loader_line(env, summary),
         reference=reference.format(cores=settings.cores),

@@ -1,0 +1,313 @@
+"""MNIST with tensor parallelism: fc1 split by columns, fc2 by rows, every rank on the same batch.
+
+    torchrun --standalone --nproc_per_node 2 09_tensor_parallel.py        # 2 GPUs or CPU processes
+    torchrun --standalone --nproc_per_node 2 09_tensor_parallel.py --cpu  # one GPU: TP on the CPU
+Lightning: ModelParallelStrategy() hands configure_model() a device mesh to parallelize_module with.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist  # DDP
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # FSDP
+from torch.distributed.device_mesh import init_device_mesh  # TP
+from torch.distributed.tensor import DTensor  # FSDP
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # TP
+from torch.distributed.tensor.parallel import parallelize_module  # TP
+from torch.utils.data import DistributedSampler
+from torchvision import datasets
+
+MODE = "tensor_parallel"  # TP
+
+
+class Net(nn.Module):
+    """The classic PyTorch MNIST CNN (about 1.2 M parameters)."""
+
+    def __init__(self, dropout=True):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(0.25 if dropout else 0.0)
+        self.dropout2 = nn.Dropout(0.5 if dropout else 0.0)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = self.conv1(x)
+        x = F.relu(x)
+        x = self.conv2(x)
+        x = F.relu(x)
+        x = F.max_pool2d(x, 2)
+        x = self.dropout1(x)
+        x = torch.flatten(x, 1)
+        x = self.fc1(x)
+        x = F.relu(x)
+        x = self.dropout2(x)
+        return self.fc2(x)
+
+
+def in_range(low, high=float("inf"), cast=int):
+    """An argparse type: a number from low up to, not including, high (NaN is in no range)."""
+    def number(text):
+        if not low <= cast(text) < high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}), got {text}")
+        return cast(text)
+    return number
+
+
+def writable(path):
+    """An argparse type: a file we can write, tried now by writing beside it, before any work."""
+    try:
+        tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))).close()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {path}: {e.strerror}")
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"cannot write {path}: it is a folder")
+    return path
+
+
+def parse_args(argv=None):
+    """The flags, each checked as it is read: a bad value must not cost a run."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
+                                exit_on_error=False)
+    p.add_argument("--data-dir", default="data", help="torchvision's MNIST (downloaded if missing)")
+    p.add_argument("--synthetic", action="store_true", help="random MNIST-shaped data (throughput)")
+    p.add_argument("--epochs", type=in_range(1), default=1)
+    p.add_argument("--batch-size", type=in_range(1), default=64, help="batch of this process")
+    p.add_argument("--test-batch-size", type=in_range(1), default=1000)
+    p.add_argument("--lr", type=in_range(0.0, cast=float), default=1.0, help="x0.7 each epoch")
+    p.add_argument("--seed", type=in_range(0, 2**32), default=1)
+    p.add_argument("--max-steps", type=in_range(0), default=0, help="steps per epoch (0: all)")
+    p.add_argument("--log-interval", type=in_range(0), default=100, help="steps between lines")
+    p.add_argument("--cpu", action="store_true", help="ignore GPUs")
+    p.add_argument("--threads", type=in_range(0), default=0, help="CPU threads (0: PyTorch's)")
+    p.add_argument("--no-dropout", action="store_true", help="for exact comparisons of modes")
+    p.add_argument("--save-model", type=writable, metavar="PATH", help="save the weights here")
+    p.add_argument("--metrics-json", type=writable, metavar="PATH", help="write the record here")
+    try:
+        return p.parse_args(argv)
+    except argparse.ArgumentError as e:
+        sys.exit(f"error: {e}")  # one line on stderr, exit status 1, as every bad input here
+
+
+def setup(args):
+    """Where this process trains (an accelerator if there is one), and that it is the main one."""
+    if "RANK" not in os.environ:  # DDP: torchrun tells each process who it is
+        sys.exit(f"error: start me with torchrun --standalone --nproc_per_node N {__file__}")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP: of all
+    local_rank, per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])  # DDP
+    accelerator = torch.accelerator.current_accelerator(check_available=True)  # CUDA, MPS, XPU...
+    device = torch.device("cpu") if args.cpu or accelerator is None else accelerator
+    if device.type == "mps":  # DDP: no backend takes MPS tensors today
+        print("DDP cannot use MPS: training on the CPU", file=sys.stderr)
+        device = torch.device("cpu")
+    if device.type != "cpu":  # DDP: one GPU per process, the current device for collectives
+        if per_node > torch.accelerator.device_count():
+            sys.exit(f"error: {per_node} processes on this machine but "
+                     f"{torch.accelerator.device_count()} GPU(s): start fewer, or add --cpu to try "
+                     "DDP on the CPU")
+        device = torch.device(device.type, local_rank)
+        torch.accelerator.set_device_index(local_rank)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    backend = dist.get_default_backend_for_device(device)  # DDP: gloo for the CPU, nccl for CUDA
+    backend = backend if dist.is_backend_available(backend) else "gloo"  # Windows: no NCCL
+    dist.init_process_group(backend, device_id=None if device.type == "cpu" else device)
+    return SimpleNamespace(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
+                           nodes=world_size // per_node, backend=backend, is_main=rank == 0)
+
+
+def load_mnist(args, train):
+    """(images, labels) of one split, normalised once: the input pipeline is never what we time."""
+    if args.synthetic:
+        rng = torch.Generator().manual_seed(args.seed + train)
+        n = 60000 if train else 10000
+        return torch.randn(n, 1, 28, 28, generator=rng), torch.randint(0, 10, (n,), generator=rng)
+    try:
+        mnist = datasets.MNIST(args.data_dir, train=train, download=True)
+    except Exception as e:
+        sys.exit(f"error: MNIST could not be loaded from {args.data_dir} ({str(e)[-150:]!r}); "
+                 "a corrupt file: delete it; offline: copy the raw files in, or use --synthetic")
+    return (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, mnist.targets  # MNIST's mean, std
+
+
+def batches(data, indices, batch_size):
+    """Batches sliced from tensors on the device: no step waits for the host or a DataLoader."""
+    images, labels = data
+    index = torch.tensor(list(indices), dtype=torch.long, device=images.device)  # empty too
+    for batch in index.split(batch_size):
+        yield images[batch], labels[batch]
+
+
+def train_epoch(model, train_batches, optimizer, args, world, epoch):
+    """One epoch of training; returns the mean training loss."""
+    model.train()
+    loss_sum = torch.zeros((), device=world.device)  # float32: MPS has no float64
+    for step, (images, labels) in enumerate(train_batches):
+        optimizer.zero_grad(set_to_none=True)
+        output = model(images)
+        loss = F.cross_entropy(output, labels)
+        loss.backward()
+        optimizer.step()
+        loss_sum += loss.detach()  # summed on the device: no waiting for the GPU
+        if world.is_main and args.log_interval and step % args.log_interval == 0:
+            print(f"epoch {epoch} step {step} loss {loss.item():.4f}", flush=True)
+    dist.all_reduce(loss_sum)  # DDP: summed over all ranks, each of which took as many steps
+    return loss_sum.item() / (step + 1) / world.world_size
+
+
+@torch.no_grad()
+def evaluate(net, data, indices, args, world):
+    """Loss and accuracy on the test images at these indices."""
+    net.eval()
+    for buffer in net.buffers():  # DDP: all ranks test rank 0's model (BatchNorm's statistics)
+        dist.broadcast(buffer, 0)
+    loss_sum, correct = 0.0, 0
+    for images, labels in batches(data, indices, args.test_batch_size):  # TP: on all ranks
+        output = net(images)
+        loss_sum += F.cross_entropy(output, labels, reduction="sum").item()
+        correct += (output.argmax(dim=1) == labels).sum().item()
+    count = len(indices)  # TP: every rank scored them all, the same: no sums over ranks
+    return dict(test_loss=loss_sum / count, test_accuracy=correct / count, test_samples=int(count))
+
+
+def run(args, world):
+    torch.manual_seed(args.seed)  # TP: on every rank the same weights and the same dropout masks
+    if world.local_rank != 0:
+        dist.barrier()  # DDP: one process per machine downloads; the others wait, then read it
+    train_data = [t.to(world.device) for t in load_mnist(args, train=True)]  # 188 MB: fits any GPU
+    test_data = [t.to(world.device) for t in load_mnist(args, train=False)]
+    if world.local_rank == 0:
+        dist.barrier()  # DDP: the files are there
+    train_size, test_size = len(train_data[1]), len(test_data[1])
+    sampler = DistributedSampler(range(train_size), 1, 0, seed=args.seed)  # TP: 01's, on all ranks
+    test_indices = range(test_size)  # TP: all ranks run every forward: each computes a slice of it
+    steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))  # full batches
+    if steps == 0:
+        sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(sampler)} images")
+    net = Net(dropout=not args.no_dropout).to(world.device)
+    if net.fc1.out_features % world.world_size:  # TP: fc2 takes even slices only (so does dropout)
+        sys.exit(f"error: fc1's {net.fc1.out_features} outputs do not split evenly over "  # TP
+                 f"{world.world_size} ranks: start a number of processes that divides it")
+    mesh = init_device_mesh(world.device.type, (world.world_size,))  # TP: the ranks, on our device
+    plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}  # TP: 1 all-reduce each way
+    model = parallelize_module(net, mesh, plan)  # TP: fc1, fc2 hold slices; the convs stay whole
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    epochs = []  # measure: each epoch's timing and results
+    for epoch in range(1, args.epochs + 1):
+        sampler.set_epoch(epoch)  # a new shuffle of all the training images every epoch
+        order = list(sampler)[:steps * args.batch_size]
+        train_batches = batches(train_data, order, args.batch_size)
+        train_batches = timed(train_batches, world, epochs)  # measure
+        train_loss = train_epoch(model, train_batches, optimizer, args, world, epoch)
+        test = evaluate(net, test_data, test_indices, args, world)
+        epochs[-1].update(epoch=epoch, train_loss=train_loss, **test)  # measure
+        scheduler.step()
+        if world.is_main:
+            print(f"epoch {epoch}: train loss {train_loss:.4f}, accuracy "
+                  f"{test['test_accuracy']:.2%} of {test['test_samples']} test images", flush=True)
+    epochs[-1].update(held_bytes(model, optimizer, world))  # measure: the bytes each rank holds
+    if args.save_model:  # FSDP: every rank sends its shards, rank 0 saves one plain state dict
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(model, options=options)  # empty on the other ranks
+        if world.is_main:
+            torch.save(weights, args.save_model)
+    write_record(args.metrics_json, args, world, epochs)  # measure
+
+
+# ---- Measurement, for the benchmark in bench/ only. A copier may delete from here down to -----
+# `if __name__`, and the lines above marked "# measure": the script still trains.
+WARMUP_STEPS = 5  # left out of samples_per_s: the first steps pay for allocation and kernel choice
+
+
+def clock(device):
+    """Seconds, read once the device has done its work: GPU work is queued, not yet done."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+    return time.perf_counter()
+
+
+def timed(train_batches, world, epochs):
+    """The same batches, timing the steps between them; appends the epoch's timing to epochs."""
+    device = world.device
+    warmup = 0 if epochs else WARMUP_STEPS  # the first epoch's first steps
+    if warmup and device.type != "cpu":
+        torch.accelerator.reset_peak_memory_stats(device)  # the peak of training, not loading
+    starts = []  # of the warm-up steps and of the first timed one: at least one step is timed
+    for step, (images, labels) in enumerate(train_batches):
+        if step <= warmup:
+            starts.append(clock(device))  # warm-up steps wait for the device; later ones never
+        yield images, labels
+    end = clock(device)
+    peak = None if device.type == "cpu" else torch.accelerator.max_memory_allocated(device)
+    steps, batch = step + 1, len(labels)  # TP: all ranks trained on this one batch
+    seconds = torch.tensor([end - starts[0], end - starts[-1]], dtype=torch.float64, device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # DDP: in the time of the slowest rank
+    seconds = seconds.tolist()
+    epochs.append(dict(steps=steps, train_samples=steps * batch,
+                       steady_samples=(steps - len(starts) + 1) * batch, train_time_s=seconds[0],
+                       steady_time_s=seconds[1], peak_memory_bytes=peak))  # peak: None on the CPU
+
+
+def held_bytes(model, optimizer, world):  # FSDP
+    """Bytes of weights, gradients and optimizer state: each rank's shards, and DDP's whole copy."""
+    tensors = [t for p in model.parameters() for t in [p, p.grad, *optimizer.state[p].values()]
+               if t.dim()]  # TP: all but Adadelta's step counts, one number each
+    held = torch.zeros(world.world_size, dtype=torch.int64, device=world.device)
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]  # TP: convs whole
+    held[world.rank] = sum(t.nbytes for t in local)  # TP: this rank's slices and copies
+    dist.all_reduce(held)  # every rank's, for rank 0's record
+    full = sum(t.numel() * t.element_size() for t in tensors)  # a DTensor's numel() is the whole's
+    return dict(bytes_per_rank=held.tolist(), full_copy_bytes=full)
+
+
+def write_record(path, args, world, epochs):
+    """Prints the throughput and writes the run's record (keys are added, never renamed)."""
+    if not world.is_main:
+        return
+    device = world.device
+    totals = {key: sum(e[key] for e in epochs)
+              for key in ["steps", "train_samples", "steady_samples", "steady_time_s"]}
+    record = dict(
+        schema=1, script=os.path.basename(__file__), mode=MODE,
+        device_type=device.type,
+        device_names=[torch.cuda.get_device_name() if device.type == "cuda" else device.type],
+        world_size=world.world_size, nodes=world.nodes, backend=world.backend,
+        threads=torch.get_num_threads(),
+        per_device_batch=args.batch_size,
+        global_batch=args.batch_size,  # TP: one batch, B, shared by all ranks
+        lr=args.lr,
+        epochs=len(epochs),
+        **totals,
+        samples_per_s=totals["steady_samples"] / totals["steady_time_s"],
+        epochs_detail=epochs,
+        test_accuracy=epochs[-1]["test_accuracy"],
+        test_loss=epochs[-1]["test_loss"],
+        peak_memory_bytes=epochs[-1]["peak_memory_bytes"],  # the peak since training began
+        synthetic=args.synthetic,
+        torch_version=torch.__version__,
+        argv=sys.argv,
+        bytes_per_rank=epochs[-1]["bytes_per_rank"],  # FSDP: weights, grads, optimizer state
+        full_copy_bytes=epochs[-1]["full_copy_bytes"],  # FSDP: the same held by each DDP rank
+    )
+    note = " (synthetic data: the accuracy means nothing)" if args.synthetic else ""
+    print(f"{MODE}: {record['samples_per_s']:.0f} samples/s, world size {world.world_size}, "
+          f"{device}{note}")
+    if path:  # whole or not at all: renamed once written
+        with open(f"{path}.tmp", "w") as f:
+            json.dump(record, f, indent=2)
+        os.replace(f"{path}.tmp", path)
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    run(args, setup(args))
+    dist.destroy_process_group()  # DDP
