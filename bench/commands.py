@@ -23,6 +23,13 @@ def visible(gpus):
     return {"CUDA_VISIBLE_DEVICES": ",".join(gpus), "CUDA_DEVICE_ORDER": order}
 
 
+def launcher_environment(mode):
+    """What a mode's launcher needs in the environment: on Windows torchrun's own store asks for libuv, which
+    PyTorch for Windows is built without ("use_libuv was requested but PyTorch was built without libuv support";
+    the scripts' env:// store already defaults to the other one there)."""
+    return {"USE_LIBUV": "0"} if mode.launch == "torchrun" and os.name == "nt" else {}
+
+
 def launch(mode, script_path, n=None, launcher=()):
     """The command up to the script's flags; n None: its default count (torchrun: 1); launcher: torchrun's options."""
     if mode.launch == "torchrun":
@@ -49,7 +56,7 @@ def commands(run, settings, metrics_path, snapshot_path):
         "spawn": ["--master-port", free_port()],
         "lightning": ["--strategy", "ddp", "--accelerator", settings.kind]}.get(mode.launch, [])
     if mode.launch != "multinode":
-        return [(visible(settings.gpus[:n]), [str(a) for a in argv + common])]
+        return [({**visible(settings.gpus[:n]), **launcher_environment(mode)}, [str(a) for a in argv + common])]
     port, half = free_port(), n // 2
     return [(visible(settings.gpus[r * half:(r + 1) * half]), [str(a) for a in argv + [
         "-n", 2, "-g", half, "--nr", r, "--master-addr", "127.0.0.1", "--master-port", port] + common]) for r in (0, 1)]
