@@ -86,7 +86,9 @@ def test_a_training_step_never_waits_for_the_gpu(quick_mnist_dir):
 
 def as_two_hosts(node_command, out, timeout=240):
     """node_command(r) for r = 0, 1 at once, both on GPU 0 of this machine, each told by NCCL_HOSTID that it is a
-    host of its own: NCCL refuses two ranks of one host on one GPU. Returns rank 0's metrics record."""
+    host of its own: NCCL refuses two ranks of one host on one GPU ("Multiple Ranks are using the same GPU"), unless,
+    from NCCL 2.30 on, NCCL_MULTI_RANK_GPU_ENABLE=1; a host each works with every NCCL the suite admits, and the
+    ranks then talk as two machines' do. Returns rank 0's metrics record."""
     out.mkdir()
     node1 = start(node_command(1), env={**GPUS, "NCCL_HOSTID": "gpu-check-host-1"})
     try:
