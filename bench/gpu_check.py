@@ -9,9 +9,11 @@ table, the tests' report, the sweep's results) into --out; exit status 0 when ev
 its own bound, so that the whole check ends within about 7 minutes whatever hangs.
 """
 import argparse
+import contextlib
 import importlib.util
 import os
 import pathlib
+import signal
 import sys
 import tarfile
 import tempfile
@@ -20,6 +22,9 @@ import time
 if not __package__:  # `python bench/gpu_check.py`: the package is importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.processes import log_tail, run_processes  # noqa: E402
+
+STEP_MARK = "BENCH_GPU_CHECK_STEP"  # in each step's environment, which everything it starts inherits
+CUT_GRACE_S = 20  # after a step's SIGTERM: its runs' own SIGTERM-then-SIGKILL (5 s) and its report or table
 
 
 def steps(work, cpu):
@@ -37,15 +42,45 @@ def steps(work, cpu):
     ]
 
 
+def marked(value):
+    """[(pid, command)] of the processes whose environment holds STEP_MARK=value: Linux's /proc (elsewhere none are
+    found, and only the step's own process group is ended)."""
+    needle, found = f"{STEP_MARK}={value}".encode(), []
+    for pid in (int(e) for e in (os.listdir("/proc") if os.path.isdir("/proc") else []) if e.isdigit()):
+        with contextlib.suppress(OSError):  # gone meanwhile, or another user's
+            if pid != os.getpid() and needle in pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                command = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                found.append((pid, command.decode(errors="replace").strip()))
+    return found
+
+
+def end_leftovers(value):
+    """SIGKILL every process the step left (in a session of its own, or its parent killed first); those it ended."""
+    ended = []
+    for _ in range(3):  # a parent may start another before it is killed
+        left = marked(value)
+        for pid, _ in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        ended += left
+        time.sleep(0.2 if left else 0)
+    return ended
+
+
 def run_step(name, argv, limit, work):
-    """Status, seconds and the log's tail of one step, its output in work/<name>.log."""
+    """Status, seconds and the log's tail of one step, its output in work/<name>.log. A step cut at its bound gets
+    CUT_GRACE_S after SIGTERM to end what it started (and write what it has), then its group is killed; whatever
+    it started still runs after that, in any session (its environment holds the step's mark), is killed too."""
     if argv is None:
         return "skipped", 0.0, "pytest cannot be imported by this Python (pip install pytest)"
     log = os.path.join(work, f"{name.replace(' ', '-')}.log")
-    started = time.monotonic()
-    code, timed_out = run_processes([({}, argv)], [log], limit)
+    started, mark = time.monotonic(), f"{os.getpid()}-{time.time_ns()}-{name}"
+    code, timed_out = run_processes([({STEP_MARK: mark}, argv)], [log], limit, grace=CUT_GRACE_S)
+    left = end_leftovers(mark)
     status = f"TIMEOUT after {limit} s" if timed_out else "ok" if code == 0 else f"FAILED (exit code {code})"
-    return status, time.monotonic() - started, log_tail([log], lines=40)
+    tail = log_tail([log], lines=40) + "".join(f"\n(left running by the step, killed: pid {pid} {command[:150]})"
+                                               for pid, command in left)
+    return status, time.monotonic() - started, tail
 
 
 def main(argv=None):

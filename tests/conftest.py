@@ -1,6 +1,7 @@
 """Shared test fixtures: a small learnable MNIST in torchvision's raw layout, and running scripts as a user does."""
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,11 @@ QUICK_TEST_IMAGES = 1000  # the tests' test split: 10,000 would make evaluation 
                           # not divisible by 3, so the exact-evaluation tests at world size 3 keep their point)
 # Environment for runs that must not reach the network: any download attempt fails at once.
 NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
+
+
+# Killed (the GPU check's bound, CI's), pytest unwinds as after Ctrl-C: each test's finally and run() below end the
+# process groups they started (in sessions of their own, which a signal to pytest's group does not reach).
+signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 def pytest_configure(config):
@@ -91,7 +97,7 @@ def run(command, timeout=180, env=None, check=True, **popen):
                           env={**os.environ, "PYTHONUNBUFFERED": "1", **CPU_ONLY, **(env or {})}) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except BaseException:  # a timeout, or pytest interrupted (Ctrl-C, SIGTERM): not one process left behind
             stop([proc])
             proc.communicate()
             raise
@@ -103,8 +109,10 @@ def run(command, timeout=180, env=None, check=True, **popen):
 
 
 def start(command, env=None):
-    """Start a command in the background (one "node" of a multi-node job)."""
+    """Start a command in the background (one "node" of a multi-node job), in a process group of its own: end it
+    with stop([process]), which ends what it started too (torchrun's or spawn's workers)."""
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **CPU_ONLY, **(env or {})})
 
 
@@ -117,7 +125,7 @@ def run_two_nodes(*args, gpus=1, timeout=180, env=None):
         node0 = run(script_command("05_multinode_mnist.py", *common, "--nr", 0), timeout=timeout, env=env)
         assert node1.wait(timeout=60) == 0, node1.communicate()
     finally:
-        node1.kill()
+        stop([node1])
     return node0
 
 

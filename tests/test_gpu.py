@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import TORCHRUN, free_port, load_script, run, script_command, start
+from conftest import TORCHRUN, free_port, load_script, run, script_command, start, stop
 
 pytestmark = pytest.mark.gpu
 
@@ -95,7 +95,7 @@ def as_two_hosts(node_command, out, timeout=240):
         run(node_command(0), timeout=timeout, env={**GPUS, "NCCL_HOSTID": "gpu-check-host-0"})
         assert node1.wait(timeout=60) == 0, node1.communicate()
     finally:
-        node1.kill()
+        stop([node1])  # its group: node1.kill() would end torchrun's agent and leave its worker on the GPU
     record = json.loads((out / "m.json").read_text())
     assert (record["device_type"], record["world_size"], record["backend"]) == ("cuda", 2, "nccl"), record
     return record
