@@ -61,9 +61,13 @@ def parse_args(argv):
     where.add_argument("--cpu", type=at_least(1), metavar="N", help="N CPU processes, gloo (default 2 without GPUs)")
     p.add_argument("--quick", action="store_true", help="skip the training runs (then about 20 s)")
     p.add_argument("--json", metavar="PATH", help="the table as JSON")
+    p.add_argument("--logs", metavar="FOLDER", help="the runs' logs and metrics go here and stay (default: a "
+                   "temporary folder, kept only when a check fails)")
     args = p.parse_args(argv)
     if args.json and not writable(args.json):
         raise BadArgument(f"cannot write --json {args.json}: give a file in a folder that exists and is writable")
+    if args.logs and not (os.path.isdir(args.logs) and writable(os.path.join(args.logs, "doctor.json"))):
+        raise BadArgument(f"cannot write in --logs {args.logs}: give a folder that exists and is writable")
     return args
 
 
@@ -288,9 +292,9 @@ def main(argv=None):
     except BadArgument as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    work = tempfile.mkdtemp(prefix="doctor-")
+    work = args.logs or tempfile.mkdtemp(prefix="doctor-")
     for folder in ("logs", "metrics"):
-        os.makedirs(os.path.join(work, folder))
+        os.makedirs(os.path.join(work, folder), exist_ok=True)
     # Killed (a bound such as the GPU check's, `kill`), it ends its runs as after Ctrl-C: they run in sessions of
     # their own, which a signal to the doctor's process group does not reach, and could hold the GPUs for the next.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -307,13 +311,14 @@ def main(argv=None):
     if failed:
         print(f"NOT READY: {len(failed)} check(s) failed ({', '.join(failed)}); logs in {work}  [{elapsed:.0f} s]")
     else:
-        shutil.rmtree(work, ignore_errors=True)
+        if not args.logs:
+            shutil.rmtree(work, ignore_errors=True)
         warned = sum(r["status"] == "warn" for r in rows)
         print(f"READY for a sweep with the same --gpus/--cpu{f' ({warned} warning(s) above)' if warned else ''}"
               f"  [{elapsed:.0f} s]")
     if args.json:
         write_json(args.json, dict(ready=not failed, elapsed_s=round(elapsed, 1), rows=rows,
-                                   logs=work if failed else None, interrupted=interrupted))
+                                   logs=work if failed or args.logs else None, interrupted=interrupted))
     return 130 if interrupted else 1 if failed else 0
 
 

@@ -34,6 +34,7 @@ signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA (skipped where there is none)")
+    config.addinivalue_line("markers", "two_hosts: two ranks on one GPU as two hosts (the GPU check's own step)")
     config.addinivalue_line("markers", "slow: takes more than half a minute")
     config.addinivalue_line("markers", "slurm: needs root, SLURM and munge (skipped where they are missing)")
 
