@@ -20,9 +20,21 @@ ADVICE = [
     (("/dev/shm", "no space left on device", "bus error", "shared memory"),
      "shared memory (/dev/shm) is too small: docker's default is 64 MiB; start the container with --shm-size=8g "
      "or --ipc=host (DataLoader workers and NCCL within a node use it)"),
-    (("duplicate gpu detected",),  # older NCCL's; 2.30.7 no longer has the text
+    (("multiple ranks are using the same gpu", "duplicate gpu detected"),  # the second: NCCL before 2.30's
      "two ranks use the same GPU: each rank must take its own (cuda:LOCAL_RANK), and CUDA_VISIBLE_DEVICES must list "
-     "at least as many GPUs as processes"),
+     "at least as many GPUs as processes; to share one GPU on purpose, NCCL 2.30+ takes NCCL_MULTI_RANK_GPU_ENABLE=1"),
+    (("mismatched nccl version detected", "nccl version mismatch with remote peer"),
+     "the ranks run different NCCL versions (other torch installs on the nodes, or a system libnccl on one node's "
+     "LD_LIBRARY_PATH): install the same torch on every node (pip install -r requirements.txt)"),
+    (("nccl library is too old",),
+     "an older libnccl is loaded instead of the one torch ships (LD_LIBRARY_PATH or a system NCCL comes first): "
+     "take that folder out of LD_LIBRARY_PATH, or pip install --force-reinstall the nvidia-nccl package torch needs"),
+    (("p2p is disabled between",),
+     "NCCL finds peer-to-peer disabled between GPUs that are linked (the driver, a VM's IOMMU, or the hardware): "
+     "`nvidia-smi topo -p2p r` shows which pairs; NCCL_IGNORE_DISABLED_P2P=1 goes on over a slower path"),
+    (("detected mixed local net device counts",),
+     "the nodes see different numbers of network devices: name the same ones on every node (NCCL_SOCKET_IFNAME, "
+     "NCCL_IB_HCA), or accept it with NCCL_IGNORE_NET_MISMATCH=1"),
     (("cuda out of memory", "out of memory"),
      "GPU memory is full: other processes may hold it (nvidia-smi shows them): stop them, choose free GPUs with "
      "--gpus or CUDA_VISIBLE_DEVICES, or lower the batch"),

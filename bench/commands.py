@@ -22,6 +22,13 @@ def visible(gpus):
     return {"CUDA_VISIBLE_DEVICES": ",".join(gpus), "CUDA_DEVICE_ORDER": order}
 
 
+def launcher_environment(mode):
+    """What a mode's launcher needs in the environment: on Windows torchrun's own store asks for libuv, which
+    PyTorch for Windows is built without ("use_libuv was requested but PyTorch was built without libuv support";
+    the scripts' env:// store already defaults to the other one there)."""
+    return {"USE_LIBUV": "0"} if mode.launch.torchrun and os.name == "nt" else {}
+
+
 def launch(mode, script_path, n=None, launcher=()):
     """The command up to the script's flags; n None: its default count (torchrun: 1); launcher: torchrun's options."""
     if mode.launch.torchrun:
@@ -46,7 +53,7 @@ def commands(run, settings, metrics_path, snapshot_path):
     argv = launch(mode, mode.script, n) + mode.launch.flags(n, settings)
     nodes = mode.launch.nodes
     if nodes == 1:
-        return [(visible(settings.gpus[:n]), [str(a) for a in argv + common])]
+        return [({**visible(settings.gpus[:n]), **launcher_environment(mode)}, [str(a) for a in argv + common])]
     port, each = free_port(), n // nodes
     return [(visible(settings.gpus[r * each:(r + 1) * each]), [str(a) for a in argv + [
         "-n", nodes, "-g", each, "--nr", r, "--master-addr", "127.0.0.1", "--master-port", port] + common])

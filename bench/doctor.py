@@ -18,6 +18,7 @@ import contextlib
 import importlib.metadata
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,6 +59,8 @@ def parser():
     add_devices(p)
     p.add_argument("--quick", action="store_true", help="skip the training runs (then about 20 s)")
     p.add_argument("--json", metavar="PATH", help="the table as JSON")
+    p.add_argument("--logs", metavar="FOLDER", help="the runs' logs and metrics go here and stay (default: a "
+                   "temporary folder, kept only when a check fails)")
     return p
 
 
@@ -65,6 +68,8 @@ def parse_args(argv):
     args = parser().parse_args(argv)
     if args.json and not writable(args.json):
         raise BadArgument(f"cannot write --json {args.json}: give a file in a folder that exists and is writable")
+    if args.logs and not (os.path.isdir(args.logs) and writable(os.path.join(args.logs, "doctor.json"))):
+        raise BadArgument(f"cannot write in --logs {args.logs}: give a folder that exists and is writable")
     return args
 
 
@@ -244,10 +249,11 @@ def largest_runs(settings):
     return largest, {m: plan.unavailable_reason(m) for m in MODES if plan.unavailable_reason(m)}
 
 
-def training_rows(settings, work, failed_n):
-    """One short run of each mode through the harness's own run_one; none that needs a collective known broken."""
+def training_rows(settings, work, failed_n, rows=None):
+    """One short run of each mode through the harness's own run_one; none that needs a collective known broken.
+    Each row goes into rows (a new list if None) as soon as its run ends; returns rows."""
     largest, left_out = largest_runs(settings)
-    rows, hung = [], None
+    rows, hung = [] if rows is None else rows, None
     for mode in MODES:
         check = f"train {MODES[mode].script[:2]} {mode}"
         run = largest.get(mode)
@@ -289,46 +295,62 @@ def main(argv=None):
     except BadArgument as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    work = tempfile.mkdtemp(prefix="doctor-")
+    work = args.logs or tempfile.mkdtemp(prefix="doctor-")
     for folder in ("logs", "metrics"):
-        os.makedirs(os.path.join(work, folder))
-    rows = checked(args, gpus, doctor_settings(gpus, args, work), work)
+        os.makedirs(os.path.join(work, folder), exist_ok=True)
+    # Killed (a bound such as the GPU check's, `kill`), it ends its runs as after Ctrl-C: they run in sessions of
+    # their own, which a signal to the doctor's process group does not reach, and could hold the GPUs for the next.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    rows, interrupted = [], False
+    try:
+        checked(args, gpus, doctor_settings(gpus, args, work), work, rows)
+    except KeyboardInterrupt:  # run_processes has stopped the run under way on the way here
+        interrupted = True
+        rows.append(row("interrupted", "FAIL", f"stopped after {time.monotonic() - STARTED:.0f} s, its runs "
+                        "ended: the checks below the last row were not done", "run the doctor again"))
     failed = [r["check"] for r in rows if r["status"] == "FAIL"]
     elapsed = time.monotonic() - STARTED
     print(table(rows))
     if failed:
         print(f"NOT READY: {len(failed)} check(s) failed ({', '.join(failed)}); logs in {work}  [{elapsed:.0f} s]")
     else:
-        shutil.rmtree(work, ignore_errors=True)
+        if not args.logs:
+            shutil.rmtree(work, ignore_errors=True)
         warned = sum(r["status"] == "warn" for r in rows)
         print(f"READY for a sweep with the same --gpus/--cpu{f' ({warned} warning(s) above)' if warned else ''}"
               f"  [{elapsed:.0f} s]")
     if args.json:
         write_json(args.json, dict(ready=not failed, elapsed_s=round(elapsed, 1), rows=rows,
-                                   logs=work if failed else None))
-    return 1 if failed else 0
+                                   logs=work if failed or args.logs else None, interrupted=interrupted))
+    return 130 if interrupted else 1 if failed else 0
 
 
-def checked(args, gpus, settings, work):
-    """Every check's row in order; the collective and the runs only where torch can use the devices."""
+def checked(args, gpus, settings, work, rows):
+    """Every check's row in order, into rows as it goes (an interrupted doctor shows those done); the collective
+    and the runs only where torch can use the devices."""
     mnist = None if args.quick else start_tiny_mnist(settings.data_dir)  # meanwhile: ~5 s of torch's import
-    say("versions (torch's collect_env, in a child process)")
-    env = machine.environment(REPO, gpus)
-    rows = [devices(gpus, settings, env), gpu_memory(settings.gpus), versions(env), topology(settings.gpus, env),
-            shared_memory(), ports(), settings_row()]
-    if rows[0]["status"] == "FAIL":
+    try:
+        say("versions (torch's collect_env, in a child process)")
+        env = machine.environment(REPO, gpus)
+        rows += [devices(gpus, settings, env), gpu_memory(settings.gpus), versions(env),
+                 topology(settings.gpus, env), shared_memory(), ports(), settings_row()]
+        if rows[0]["status"] == "FAIL":
+            rows.append(row("all-reduce", "skip", "not run: torch cannot use these devices", "fix devices first"))
+            return
+        say("the all-reduce at each n of the sweep")
+        collective, failed_n = collective_rows(settings, work)
+        rows += collective
         if mnist:
+            _, error = mnist.communicate()
+            if mnist.returncode == 0:
+                training_rows(settings, work, failed_n, rows)
+            else:
+                rows.append(row("training runs", "FAIL", f"could not write a tiny MNIST: {checks.cause_line(error)}",
+                                checks.advice(error)))
+    finally:
+        if mnist and mnist.poll() is None:
             mnist.kill()
-        return rows + [row("all-reduce", "skip", "not run: torch cannot use these devices", "fix devices first")]
-    say("the all-reduce at each n of the sweep")
-    collective, failed_n = collective_rows(settings, work)
-    rows += collective
-    if mnist:
-        _, error = mnist.communicate()
-        rows += (training_rows(settings, work, failed_n) if mnist.returncode == 0 else
-                 [row("training runs", "FAIL", f"could not write a tiny MNIST: {checks.cause_line(error)}",
-                      checks.advice(error))])
-    return rows
+            mnist.wait()
 
 
 if __name__ == "__main__":

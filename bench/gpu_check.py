@@ -1,52 +1,157 @@
 """The GPU check: what a bare GPU machine shows of this suite, in one command and a few minutes, left in one archive
-and one log (for a machine lent for minutes, with no network, torch installed but perhaps not lightning).
+and one log (for a machine lent for minutes, with no network, torch installed but perhaps not lightning, pytest,
+pandas or matplotlib).
 
-    python bench/gpu_check.py --out /tmp/out        # the doctor, `pytest -m gpu`, a short sweep of GPU 0
+    python bench/gpu_check.py --out /tmp/out        # the doctor, the GPU tests, a short sweep of GPU 0
     python bench/gpu_check.py --cpu --out /tmp/out  # the same steps on the CPU: to try the check itself
 
-Writes gpu-check.log (every step's command, status, seconds and output tail) and gpu-check.tgz (the doctor's
-table, the tests' report, the sweep's results) into --out; exit status 0 when every step passed. Each step has
-its own bound, so that the whole check ends within about 7 minutes whatever hangs.
+Writes gpu-check.log (every step's command, status, seconds, bound and output tail) and gpu-check.tgz (the doctor's
+table and logs, the tests' reports, the sweep's results, a cut step's too) into --out; exit status 0 when every
+step passed (a skipped one is no pass). Each step has its own bound, 1.5 x its projected work (WORK): 466 s in all
+on one H200 with Lightning, and 20 s more for each step cut, whatever hangs.
 """
 import argparse
+import contextlib
 import importlib.util
+import math
 import os
 import pathlib
+import signal
 import sys
 import tarfile
 import tempfile
 import time
+from xml.etree import ElementTree
 
 if not __package__:  # `python bench/gpu_check.py`: the package is importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.processes import log_tail, run_processes  # noqa: E402
 
+STEP_MARK = "BENCH_GPU_CHECK_STEP"  # in each step's environment, which everything it starts inherits
+CUT_GRACE_S = 20  # after a step's SIGTERM: its runs' own SIGTERM-then-SIGKILL (5 s) and its report or table
+RUN_TIMEOUT_S = dict(gpu=60, cpu=90)  # the sweep's runs (--timeout): 3 x START_S, under the sweep's own bound
+
+
+# The work of each step, in run start-ups: 10-18 s each on one H200 before a run trains (imports, CUDA, data;
+# results/1x-nvidia-h200-gpu-check: 18.0, 17.2, 20.1 and 24.8 s for 3 epochs of which 7 s train, 61 s for the 4
+# start-ups of the gpu test), while the training itself takes a second or two. Each step's bound is MARGIN x its
+# work at the slowest start-up, so that the work fills at most two thirds of it. On the CPU (--cpu) a start-up is
+# taken as 30 s (18 s on a quiet 2-core VM, plan.START_S; collect_env alone took 25-69 s on a busy one).
+START_S = dict(gpu=18, cpu=30)
+MARGIN = 1.5
+WORK = dict(
+    # --quick: torch's collect_env in a child (1 start-up), nvidia-smi and git (0.5). Its training runs would add a
+    # start-up per mode (6, 7 with Lightning), which the tests and the sweep pay for already.
+    doctor=dict(gpu=1.5, cpu=2.5),  # on the CPU also the all-reduce at n = 2 (one start-up)
+    # pytest and conftest's imports (0.5), every mode on CUDA (5: 01, 02, 03, 04, 06), the in-process sync test (0.5)
+    gpu_tests=dict(gpu=6, cpu=1),  # on the CPU: collection only, every test skips
+    # pytest (0.5); 05 as two nodes (1.2: two processes at once, NCCL's connection), 06 under two torchruns (1.3),
+    # 07 with Lightning's imports (1.8, where Lightning is installed)
+    two_hosts=dict(gpu=3.0, cpu=1), two_hosts_lightning=dict(gpu=1.8, cpu=0),
+    # collect_env (1.2), the loader's measurement (1), 01 (1) and 08 under torchrun (1.2), reading back the results
+    # and drawing the plots (0.5: pandas and matplotlib)
+    sweep=dict(gpu=4.9, cpu=5.0),  # on the CPU: --cpu 1, 01 and 08 (each start-up there counted 30 s)
+)
+# Two ranks on one GPU as two hosts: the pytest marker of those tests (tests/integration/test_gpu.py), a step of
+# their own.
+TWO_HOSTS = "two_hosts"
+
+
+def bound_s(starts, kind):
+    return int(math.ceil(MARGIN * starts * START_S[kind]))
+
+
+def projected(cpu):
+    """{step: (its work in seconds at the slowest start-up, its bound)}; Lightning's test counted where it is."""
+    kind = "cpu" if cpu else "gpu"
+    work = {name: WORK[key][kind] for name, key in
+            (("doctor", "doctor"), ("gpu tests", "gpu_tests"), ("two hosts", "two_hosts"), ("sweep", "sweep"))}
+    if importlib.util.find_spec("lightning"):
+        work["two hosts"] += WORK["two_hosts_lightning"][kind]
+    return {name: (starts * START_S[kind], bound_s(starts, kind)) for name, starts in work.items()}
+
 
 def steps(work, cpu):
-    """(name, argv, seconds at most) of each step: 7 minutes in all. On the CPU, the doctor without its training
-    runs and a sweep of 01 only: a try of the check itself, not of the CPU."""
-    python = sys.executable
-    where = ["--cpu", "2", "--quick"] if cpu else ["--gpus", "0"]
-    tests = ([python, "-m", "pytest", "-q", "-rA", "-m", "gpu", "tests/", "--junitxml", f"{work}/gpu-tests.xml"]
-             if importlib.util.find_spec("pytest") else None)  # a bare machine may lack pytest: the step says so
-    sweep = (["--cpu", "1", "--modes", "01", "--epoch-images", "1280"] if cpu
-             else ["--gpus", "0", "--epoch-images", "19200"])
+    """(name, argv, seconds at most) of each step (see WORK). The GPU tests run from tests/integration/test_gpu.py
+    alone, which imports neither pandas nor matplotlib (a bare machine may lack them); with no pytest their steps
+    are None."""
+    python, bounds = sys.executable, {name: limit for name, (_, limit) in projected(cpu).items()}
+    where = ["--cpu", "2"] if cpu else ["--gpus", "0"]
+    has_pytest = importlib.util.find_spec("pytest") is not None
+
+    def tests(name, selection):
+        xml = f"{work}/{name.replace(' ', '-')}.xml"
+        return ([python, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-m", selection,
+                 "tests/integration/test_gpu.py", "--junitxml", xml] if has_pytest else None)
+
+    sweep = (["--cpu", "1"] if cpu else ["--gpus", "0"]) + ["--modes", "01,08",
+                                                           "--epoch-images", "1280" if cpu else "19200"]
     return [
-        ("doctor", [python, "bench/doctor.py", *where, "--json", f"{work}/doctor.json"], 120),
-        ("gpu tests", tests, 180),
-        ("sweep", [python, "bench/run_all.py", *sweep, "--synthetic", "--epochs", "1", "--out", f"{work}/sweep"], 120),
+        ("doctor", [python, "bench/doctor.py", *where, "--quick", "--json", f"{work}/doctor.json",
+                    "--logs", f"{work}/doctor"], bounds["doctor"]),
+        ("gpu tests", tests("gpu tests", f"gpu and not {TWO_HOSTS}"), bounds["gpu tests"]),
+        ("two hosts", tests("two hosts", f"gpu and {TWO_HOSTS}"), bounds["two hosts"]),
+        ("sweep", [python, "bench/run_all.py", *sweep, "--synthetic", "--epochs", "1", "--timeout",
+                   str(RUN_TIMEOUT_S["cpu" if cpu else "gpu"]), "--out", f"{work}/sweep"], bounds["sweep"]),
     ]
 
 
+def test_counts(xml_path):
+    """(tests, failed or errors, skipped) from pytest's junit XML, or None without a readable one."""
+    try:
+        suites = list(ElementTree.parse(xml_path).getroot().iter("testsuite"))
+    except (OSError, ElementTree.ParseError):
+        return None
+    counts = [sum(int(suite.get(key, 0)) for suite in suites) for key in ("tests", "failures", "errors", "skipped")]
+    return counts[0], counts[1] + counts[2], counts[3]
+
+
+def marked(value):
+    """[(pid, command)] of the processes whose environment holds STEP_MARK=value: Linux's /proc (elsewhere none are
+    found, and only the step's own process group is ended)."""
+    needle, found = f"{STEP_MARK}={value}".encode(), []
+    for pid in (int(e) for e in (os.listdir("/proc") if os.path.isdir("/proc") else []) if e.isdigit()):
+        with contextlib.suppress(OSError):  # gone meanwhile, or another user's
+            if pid != os.getpid() and needle in pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                command = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                found.append((pid, command.decode(errors="replace").strip()))
+    return found
+
+
+def end_leftovers(value):
+    """SIGKILL every process the step left (in a session of its own, or its parent killed first); those it ended."""
+    ended = []
+    for _ in range(3):  # a parent may start another before it is killed
+        left = marked(value)
+        for pid, _ in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        ended += left
+        time.sleep(0.2 if left else 0)
+    return ended
+
+
 def run_step(name, argv, limit, work):
-    """Status, seconds and the log's tail of one step, its output in work/<name>.log."""
+    """Status, seconds and the log's tail of one step, its output in work/<name>.log. A step cut at its bound gets
+    CUT_GRACE_S after SIGTERM to end what it started (and write what it has), then its group is killed; whatever
+    it started still runs after that, in any session (its environment holds the step's mark), is killed too."""
     if argv is None:
         return "skipped", 0.0, "pytest cannot be imported by this Python (pip install pytest)"
     log = os.path.join(work, f"{name.replace(' ', '-')}.log")
-    started = time.monotonic()
-    code, timed_out = run_processes([({}, argv)], [log], limit)
+    started, mark = time.monotonic(), f"{os.getpid()}-{time.time_ns()}-{name}"
+    # A hung nvidia-smi or collect_env is given up on inside the step (machine.output_of), not cut with it.
+    env = {STEP_MARK: mark, "BENCH_COMMAND_TIMEOUT_S": str(int(limit / MARGIN))}
+    code, timed_out = run_processes([(env, argv)], [log], limit, grace=CUT_GRACE_S)
+    left = end_leftovers(mark)
     status = f"TIMEOUT after {limit} s" if timed_out else "ok" if code == 0 else f"FAILED (exit code {code})"
-    return status, time.monotonic() - started, log_tail([log], lines=40)
+    counts = test_counts(argv[argv.index("--junitxml") + 1]) if "--junitxml" in argv else None
+    if counts:  # pytest's own exit status is 0 when every test skipped (no CUDA): that is no pass
+        tests, failed, skipped = counts
+        status = "skipped (every test skipped)" if code == 0 and tests == skipped else status
+        status += f": {tests - failed - skipped} passed, {failed} failed, {skipped} skipped"
+    tail = log_tail([log], lines=40) + "".join(f"\n(left running by the step, killed: pid {pid} {command[:150]})"
+                                               for pid, command in left)
+    return status, time.monotonic() - started, tail
 
 
 def main(argv=None):
@@ -60,19 +165,28 @@ def main(argv=None):
     except OSError as e:
         print(f"error: cannot write in --out {args.out}: {e.strerror}", file=sys.stderr)
         return 2
-    work, failed = tempfile.mkdtemp(prefix="gpu-check-"), []
+    work, failed, skipped = tempfile.mkdtemp(prefix="gpu-check-"), [], []
+    os.makedirs(os.path.join(work, "doctor"))  # the doctor's --logs
     with open(os.path.join(args.out, "gpu-check.log"), "w") as report:
-        for name, command, limit in steps(work, args.cpu):
+        planned = steps(work, args.cpu)
+        report.write(f"== {len(planned)} steps, {sum(limit for *_, limit in planned)} s at most (each bound "
+                     f"{MARGIN} x its projected work; a cut step has {CUT_GRACE_S} s more to end)\n\n")
+        for name, command, limit in planned:
             status, seconds, tail = run_step(name, command, limit, work)
-            failed += [name] if status not in ("ok", "skipped") else []
-            report.write(f"== {name}: {status} in {seconds:.0f} s\n$ {' '.join(command or [])}\n{tail}\n\n")
+            failed += [name] if not status.startswith(("ok", "skipped")) else []
+            skipped += [name] if status.startswith("skipped") else []
+            report.write(f"== {name}: {status} in {seconds:.0f} s (bound {limit} s)\n$ {' '.join(command or [])}\n"
+                         f"{tail}\n\n")
             report.flush()
             print(f"{name}: {status} in {seconds:.0f} s", flush=True)
-        report.write(f"== {'FAILED: ' + ', '.join(failed) if failed else 'every step passed'}\n")
+        verdict = "; ".join([f"FAILED: {', '.join(failed)}"] * bool(failed)
+                            + [f"SKIPPED, not a pass: {', '.join(skipped)}"] * bool(skipped)) or "every step passed"
+        report.write(f"== {verdict}\n")
+    # What every step left, a cut one's too (its logs, the sweep's report and plots, the doctor's table and logs).
     with tarfile.open(os.path.join(args.out, "gpu-check.tgz"), "w:gz") as archive:
         archive.add(work, arcname="gpu-check", filter=lambda f: None if f.name.endswith(".pt") else f)
-    print(f"{args.out}/gpu-check.log and gpu-check.tgz" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
-    return 1 if failed else 0
+    print(f"{args.out}/gpu-check.log and gpu-check.tgz; {verdict}")
+    return 1 if failed or skipped else 0
 
 
 if __name__ == "__main__":

@@ -30,10 +30,17 @@ def free_port():
         return s.getsockname()[1]
 
 
+# A command (nvidia-smi, torch's collect_env in a child) that has not answered in this long is hung: collect_env
+# took 25-69 s on a busy 2-core VM. A caller with a shorter bound of its own (the GPU check's steps) sets
+# BENCH_COMMAND_TIMEOUT_S, so that no such wait outlasts it.
+COMMAND_TIMEOUT_S = 120
+
+
 def output_of(argv):
     """stdout of a command, less the escape codes nvidia-smi writes even into a pipe; None if it is missing or fails."""
+    timeout = float(os.environ.get("BENCH_COMMAND_TIMEOUT_S") or COMMAND_TIMEOUT_S)
     try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=120) if shutil.which(argv[0]) else None
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout) if shutil.which(argv[0]) else None
     except (OSError, subprocess.SubprocessError):
         return None
     return re.sub(r"\x1b\[[0-9;]*m", "", out.stdout).strip() if out and out.returncode == 0 else None

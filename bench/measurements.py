@@ -31,10 +31,16 @@ def run_tool(tool, args, out_dir, name, gpus, timeout):
     return read_json(path) or {"error": f"no result in {path}"}
 
 
+def bound(seconds, settings):
+    """A measurement's bound, or the runs' --timeout where that is shorter: no wait of a sweep outlasts the one its
+    user gave (the GPU check's steps have bounds of their own)."""
+    return min(seconds, settings.timeout or math.inf)
+
+
 def measure_loader(settings, out_dir):
     args = ["--batch-size", settings.per_device_batches[0], "--passes", 3] + ["--cpu"] * settings.cpu
     args += ["--synthetic"] if settings.synthetic else ["--data-dir", settings.data_dir]
-    return run_tool("loader_speed", args, out_dir, "loader_speed", settings.gpus[:1], LOADER_TIMEOUT_S)
+    return run_tool("loader_speed", args, out_dir, "loader_speed", settings.gpus[:1], bound(LOADER_TIMEOUT_S, settings))
 
 
 def measure_allreduce(settings, out_dir):
@@ -42,7 +48,8 @@ def measure_allreduce(settings, out_dir):
     for n in [n for n in device_counts(settings.max_n) if n >= 2]:
         args = ["--nprocs", n, "--min-bytes", 4096, "--max-bytes", 4096, "--warmup", 3, "--iters", 10,
                 "--no-env"] + ["--cpu"] * settings.cpu  # a few seconds each
-        results[n] = run_tool("allreduce", args, out_dir, f"allreduce-n{n}", settings.gpus[:n], COLLECTIVE_TIMEOUT_S)
+        results[n] = run_tool("allreduce", args, out_dir, f"allreduce-n{n}", settings.gpus[:n],
+                              bound(COLLECTIVE_TIMEOUT_S, settings))
         time_us = (results[n].get("gradient_row") or {}).get("time_us", math.nan)
         print(f"all-reduce of the gradient at n={n}: {time_us / 1e3:.2f} ms {results[n].get('error', '')}", flush=True)
     return results

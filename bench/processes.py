@@ -28,8 +28,9 @@ def run_environment(env):
     return {**inherited, "PYTHONUNBUFFERED": "1", **env}
 
 
-def stop(procs):
-    """SIGTERM, then SIGKILL, to whole process groups: a torchrun or spawn parent leaves its workers otherwise."""
+def stop(procs, grace=KILL_GRACE_S):
+    """SIGTERM, then SIGKILL grace seconds later, to whole process groups: a torchrun or spawn parent leaves its
+    workers otherwise."""
     if os.name == "nt":  # Windows has neither process groups nor SIGKILL: taskkill /T ends a process and its tree
         for p in procs:
             subprocess.run(["taskkill", "/T", "/F", "/PID", str(p.pid)], capture_output=True)
@@ -38,13 +39,14 @@ def stop(procs):
         for p in procs:
             with contextlib.suppress(ProcessLookupError, PermissionError):  # the leader may be gone, not its children
                 os.killpg(p.pid, sig)
-        deadline = time.monotonic() + KILL_GRACE_S
+        deadline = time.monotonic() + grace
         while sig == signal.SIGTERM and any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             time.sleep(0.1)
 
 
-def run_processes(cmds, log_paths, timeout):
-    """Run [(environment, argv)] at once, each into its log; (exit code, timed out). Ctrl-C stops them."""
+def run_processes(cmds, log_paths, timeout, grace=KILL_GRACE_S):
+    """Run [(environment, argv)] at once, each into its log; (exit code, timed out). Ctrl-C stops them; at any end
+    they get grace seconds between SIGTERM and SIGKILL."""
     procs = []
     try:
         for (env, argv), log_path in zip(cmds, log_paths):
@@ -60,7 +62,7 @@ def run_processes(cmds, log_paths, timeout):
             time.sleep(0.1)
             timed_out = time.monotonic() > deadline
     finally:
-        stop(procs)  # also after a clean exit: children a script left behind must not hold ports or cores
+        stop(procs, grace)  # also after a clean exit: children a script left behind must not hold ports or cores
     return next((p.poll() for p in procs if p.poll() != 0), 0), timed_out
 
 

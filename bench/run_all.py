@@ -12,6 +12,7 @@ report.md, plots, logs/, metrics/ under --out. Exit status 0: every run finished
 arguments (nothing run), 130: Ctrl-C (then --resume).
 """
 import argparse
+import contextlib
 import itertools
 import os
 import shlex
@@ -145,6 +146,15 @@ def print_plan(runs, done, settings, left_out, out_dir):
     print("".join(f"  left out: {line}\n" for line in left_out), end="")
 
 
+def write_report(out_dir, env, settings, left_out):
+    """summary.csv, the plots and report.md from runs.csv; the runs' frame."""
+    from bench import plots, report  # seconds to import: not before the arguments are checked
+    frame, summary = report.read_and_summarize(out_dir)
+    written = plots.write_all(out_dir, summary, env["hardware"], settings)
+    report.write_report(out_dir, frame, summary, env, settings, left_out, written)
+    return frame
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     command = shlex.join(["python", "bench/run_all.py"] + argv)
@@ -192,12 +202,18 @@ def main(argv=None):
         write_json(os.path.join(out_dir, "env.json"), env)
         broken = measurements.failed_collectives(env["allreduce"])
         runs_csv.write_runs(out_dir, sweep.run_plan(runs, done, settings, out_dir, broken))
-        from bench import plots, report  # seconds to import: not before the arguments are checked
-        frame, summary = report.read_and_summarize(out_dir)
-        written = plots.write_all(out_dir, summary, env["hardware"], settings)
-        report.write_report(out_dir, frame, summary, env, settings, left_out, written)
+        frame = write_report(out_dir, env, settings, left_out)
     except KeyboardInterrupt:
         print(f"\ninterrupted: the finished runs are in {out_dir}/runs.csv; add --resume to continue", file=sys.stderr)
+        # Stopped (Ctrl-C, a bound such as the GPU check's): report.md and the plots of the runs that finished,
+        # the others named as not run. A second Ctrl-C gives that up.
+        if os.path.exists(os.path.join(out_dir, "runs.csv")) and os.path.exists(os.path.join(out_dir, "env.json")):
+            with contextlib.suppress(KeyboardInterrupt):
+                finished = {r["run_id"] for r in runs_csv.read_runs(out_dir)}
+                not_run = [f"{r.run_id} (not run: the sweep was interrupted; --resume runs it)" for r in runs
+                           if r.run_id not in finished]
+                write_report(out_dir, read_json(os.path.join(out_dir, "env.json")), settings, left_out + not_run)
+                print(f"report of the finished runs: {os.path.join(out_dir, 'report.md')}", file=sys.stderr)
         return 130
     failed = frame[frame["status"] != "ok"]["run_id"]
     print(f"done: {len(frame) - len(failed)} of {len(frame)} runs ok; report {os.path.join(out_dir, 'report.md')}")

@@ -125,7 +125,7 @@ def run(command, timeout=180, env=None, check=True, **popen):
                           env={**os.environ, "PYTHONUNBUFFERED": "1", **CPU_ONLY, **(env or {})}) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except BaseException:  # a timeout, or pytest interrupted (Ctrl-C, SIGTERM): not one process left behind
             stop([proc])
             proc.communicate()
             raise
@@ -137,8 +137,10 @@ def run(command, timeout=180, env=None, check=True, **popen):
 
 
 def start(command, env=None):
-    """Start a command in the background (one "node" of a multi-node job)."""
+    """Start a command in the background (one "node" of a multi-node job), in a process group of its own: end it
+    with stop([process]), which ends what it started too (torchrun's or spawn's workers)."""
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **CPU_ONLY, **(env or {})})
 
 
@@ -151,7 +153,7 @@ def run_two_nodes(*args, gpus=1, timeout=180, env=None):
         node0 = run(script_command("05_multinode_mnist.py", *common, "--nr", 0), timeout=timeout, env=env)
         assert node1.wait(timeout=60) == 0, node1.communicate()
     finally:
-        node1.kill()
+        stop([node1])
     return node0
 
 

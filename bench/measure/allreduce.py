@@ -1,7 +1,7 @@
 """All-reduce time and bandwidth over message sizes and at the model's gradient size: what DDP pays per step.
 
     python -m bench.measure.allreduce --nprocs 2 --cpu --json allreduce.json   # gloo, 2 CPU processes
-    python -m bench.measure.allreduce --nprocs 4                               # NCCL on 4 GPUs
+    python -m bench.measure.allreduce --nprocs 4                               # NCCL on 4 GPUs (gloo without NCCL)
 
 Each size is all-reduced --warmup times, then --iters times after a barrier, the device synchronised around
 each; an iteration counts with its slowest rank's time, the median iteration is reported. algbw = bytes /
@@ -44,12 +44,20 @@ def time_size(nbytes, device, args):
                 busbw_gb_s=nbytes / seconds / 1e9 * 2 * (n - 1) / n)
 
 
+def backend_for(device):
+    """The scripts' choice: the device's default backend (gloo for the CPU, nccl for CUDA), gloo where that one is
+    not built in (PyTorch for Windows has no NCCL)."""
+    import torch.distributed as dist
+    backend = dist.get_default_backend_for_device(device)
+    return backend if dist.is_backend_available(backend) else "gloo"
+
+
 def worker(rank, args, params):
     import torch
     import torch.distributed as dist
     device = torch.device("cpu") if args.cpu else torch.device("cuda", rank)
     torch.set_num_threads(max(1, cpu_cores() // args.nprocs))  # the scripts' rule: cores / processes
-    dist.init_process_group("gloo" if args.cpu else "nccl", rank=rank, world_size=args.nprocs,
+    dist.init_process_group(backend_for(device), rank=rank, world_size=args.nprocs,
                             timeout=timedelta(seconds=60), device_id=None if args.cpu else device)
     try:
         gradient = params * FP32_BYTES
@@ -81,11 +89,12 @@ def main(argv=None):
     import torch.multiprocessing as mp
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nprocs", type=in_range(1), default=2, help="processes, one per GPU (default 2)")
-    p.add_argument("--cpu", action="store_true", help="gloo on the CPU (default: NCCL, one GPU per process)")
+    p.add_argument("--cpu", action="store_true", help="gloo on the CPU (default: a GPU each, NCCL where torch has it)")
     p.add_argument("--min-bytes", type=in_range(4), default=4 << 10, help="smallest message (default 4 KiB)")
     p.add_argument("--max-bytes", type=in_range(4), default=64 << 20, help="largest message (default 64 MiB)")
     p.add_argument("--warmup", type=in_range(0), default=5, help="untimed iterations per size (default 5)")
-    p.add_argument("--iters", type=in_range(1), default=20, help="timed iterations per size; the median counts (default 20)")
+    p.add_argument("--iters", type=in_range(1), default=20,
+                   help="timed iterations per size; the median counts (default 20)")
     p.add_argument("--json", type=load_script().writable, metavar="PATH",
                    help="rank 0 writes the results here, env.json beside it")
     p.add_argument("--no-env", action="store_true", help="no env.json beside --json (the harness writes its own)")

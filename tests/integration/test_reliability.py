@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from helpers import (ROOT, TORCHRUN, busy_note, free_port, launcher_env, load_script, run, run_two_nodes,
-                     script_command, start)
+                     script_command, start, stop)
 
 # One thread per process everywhere: two "nodes" on one host would otherwise take two each, and a different
 # number of threads sums in a different order (equal weights, not bitwise equal). 20 steps an epoch: snapshots
@@ -84,12 +84,8 @@ class Job:
         return self.process.returncode, "".join(self.out), "".join(self.err)
 
     def kill(self):
-        """The process and those it started (a killed torchrun leaves its workers running)."""
-        for pid in [*children(self.process.pid), self.process.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        """The process and those it started (a killed torchrun leaves its workers running): its process group."""
+        stop([self.process])
         self.process.wait()
 
 

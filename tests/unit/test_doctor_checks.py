@@ -85,6 +85,19 @@ MESSAGES = [
     ("enqueue.cc:1451 NCCL WARN Cuda failure 'invalid argument'", "NCCL_P2P_DISABLE=1"),
     ("init.cc:943 NCCL WARN Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000",
      "CUDA_VISIBLE_DEVICES"),
+    ("NCCL WARN Multiple Ranks are using the same GPU/Partition. Set NCCL_MULTI_RANK_GPU_ENABLE=1 to "
+     "enable this configuration.", "NCCL_MULTI_RANK_GPU_ENABLE=1"),
+    ("NCCL WARN Mismatched NCCL version detected : rank 1 version 22809 rank 0 version 23007",
+     "same torch on every node"),
+    ("NCCL WARN NCCL version mismatch with remote peer 10.0.0.2<41213> (local: 2.30.7, remote "
+     "2.28.9)", "same torch on every node"),
+    ("NCCL WARN NCCL library is too old. This application was compiled with NCCL version 2.30.7, but is running with "
+     "NCCL library version 2.21.5.", "LD_LIBRARY_PATH"),
+    ("NCCL WARN P2P is disabled between NVLINK connected GPUs 0 and 1. This should not be the case "
+     "given their connectivity, and is probably due to a hardware issue. If you still want to proceed, you can set "
+     "NCCL_IGNORE_DISABLED_P2P=1.", "NCCL_IGNORE_DISABLED_P2P=1"),
+    ("NCCL WARN Detected mixed local Net device counts across ranks (min 1, max 2). Set "
+     "NCCL_IGNORE_NET_MISMATCH=1 to continue.", "NCCL_IGNORE_NET_MISMATCH=1"),
     ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
      "139.81 GiB of which 1.19 MiB is free.", "nvidia-smi"),
     ("RuntimeError: ProcessGroupNCCL is only supported with GPUs, no GPUs found!", "CUDA build"),

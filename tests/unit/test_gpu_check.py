@@ -4,6 +4,7 @@ import sys
 import tarfile
 import time
 
+from conftest import run
 from bench import gpu_check
 from helpers import busy_note, slack
 
@@ -25,7 +26,7 @@ def test_every_step_is_bounded_and_reported_and_the_archive_holds_what_they_wrot
     assert "== passes: ok" in log and "all well" in log
     assert "== fails: FAILED (exit code 1)" in log and "broken on purpose" in log
     assert "== hangs: TIMEOUT after 3 s" in log and "== absent: skipped" in log
-    assert log.rstrip().endswith("FAILED: fails, hangs")
+    assert log.rstrip().endswith("FAILED: fails, hangs; SKIPPED, not a pass: absent")
     with tarfile.open(tmp_path / "out" / "gpu-check.tgz") as archive:
         names = archive.getnames()
     assert "gpu-check/table.json" in names and "gpu-check/passes.log" in names
@@ -37,3 +38,81 @@ def test_an_output_folder_that_cannot_be_written_is_refused_before_any_step(tmp_
     blocker.write_text("kept")
     assert gpu_check.main(["--out", str(blocker / "out")]) == 2
     assert capsys.readouterr().err.startswith("error: cannot write in --out") and blocker.read_text() == "kept"
+
+
+# ---- a cut step, a missing pytest, tests that all skip; the steps' selection and sizes
+
+def test_a_step_cut_at_its_bound_still_leaves_its_log_and_what_it_writes_on_sigterm_in_the_archive(tmp_path,
+                                                                                                   monkeypatch):
+    # as the sweep does (report.md and plots of the finished runs) and the doctor (its table and --json)
+    writes_on_sigterm = ("import signal, sys, time\n"
+                         "def cut(*_):\n"
+                         "    open(sys.argv[1] + '/report.md', 'w').write('the runs that finished')\n"
+                         "    sys.exit(130)\n"
+                         "signal.signal(signal.SIGTERM, cut)\n"
+                         "print('started', flush=True)\n"
+                         "time.sleep(600)\n")
+    monkeypatch.setattr(gpu_check, "steps", lambda work, cpu: [("sweep", [PY, "-c", writes_on_sigterm, work], 3)])
+    assert gpu_check.main(["--out", str(tmp_path / "out")]) == 1
+    log = (tmp_path / "out" / "gpu-check.log").read_text()
+    assert "== sweep: TIMEOUT after 3 s" in log and "started" in log and log.rstrip().endswith("FAILED: sweep")
+    with tarfile.open(tmp_path / "out" / "gpu-check.tgz") as archive:
+        assert {"gpu-check/sweep.log", "gpu-check/report.md"} <= set(archive.getnames())
+        assert archive.extractfile("gpu-check/report.md").read() == b"the runs that finished"
+
+
+def test_without_pytest_the_test_steps_are_skipped_and_the_check_is_not_a_pass(tmp_path, monkeypatch):
+    find_spec = gpu_check.importlib.util.find_spec
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec",
+                        lambda name: None if name == "pytest" else find_spec(name))
+    real = {name: argv for name, argv, _ in gpu_check.steps(str(tmp_path), cpu=False)}
+    assert real["gpu tests"] is None and real["two hosts"] is None and real["doctor"] and real["sweep"]
+    monkeypatch.setattr(gpu_check, "steps", lambda work, cpu: [("passes", [PY, "-c", "pass"], 30),
+                                                               ("gpu tests", None, 30)])
+    assert gpu_check.main(["--out", str(tmp_path / "out")]) == 1
+    log = (tmp_path / "out" / "gpu-check.log").read_text()
+    assert "== gpu tests: skipped" in log and "pip install pytest" in log
+    assert log.rstrip().endswith("== SKIPPED, not a pass: gpu tests") and "every step passed" not in log
+
+
+def test_a_test_step_whose_every_test_skipped_is_skipped_not_ok(tmp_path, monkeypatch):
+    """pytest exits 0 when every test skips (no CUDA): its report, not its exit status, says what ran."""
+    def pytest_like(tests, skipped, failures=0):
+        xml = (f'<testsuites><testsuite name="pytest" tests="{tests}" failures="{failures}" errors="0" '
+               f'skipped="{skipped}"/></testsuites>')
+        return [PY, "-c", f"import sys; open(sys.argv[2], 'w').write({xml!r})", "--junitxml",
+                str(tmp_path / f"{tests}-{skipped}.xml")]
+    monkeypatch.setattr(gpu_check, "steps", lambda work, cpu: [("all skip", pytest_like(5, 5), 30),
+                                                               ("some ran", pytest_like(5, 1), 30)])
+    assert gpu_check.main(["--out", str(tmp_path / "out")]) == 1
+    log = (tmp_path / "out" / "gpu-check.log").read_text()
+    assert "== all skip: skipped (every test skipped): 0 passed, 0 failed, 5 skipped" in log
+    assert "== some ran: ok: 4 passed, 0 failed, 1 skipped" in log
+    assert log.rstrip().endswith("== SKIPPED, not a pass: all skip")
+
+
+def collected(argv, env):
+    """The tests a step's pytest command selects, collected only (no junit report)."""
+    argv = argv[:argv.index("--junitxml")] + ["--collect-only"] + argv[argv.index("--junitxml") + 2:]
+    result = run(argv, env=env, timeout=300)
+    return {line for line in result.stdout.splitlines() if line.startswith("tests/integration/test_gpu.py::")}
+
+
+def test_the_two_test_steps_select_every_gpu_test_once_without_pandas_or_matplotlib(tmp_path):
+    for name in ("pandas", "matplotlib"):  # a bare machine's Python: neither can be imported
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('no {name} on this machine')")
+    env = {"PYTHONPATH": str(tmp_path)}
+    argv = {name: argv for name, argv, _ in gpu_check.steps(str(tmp_path), False) if argv and "pytest" in argv}
+    tests, two_hosts = collected(argv["gpu tests"], env), collected(argv["two hosts"], env)
+    every = collected([PY, "-m", "pytest", "-q", "tests/integration/test_gpu.py", "--junitxml", "x.xml"], {})
+    assert tests and two_hosts and not tests & two_hosts and tests | two_hosts == every, (tests, two_hosts, every)
+    assert all("two_nodes" in t or "own_gpu" in t for t in two_hosts), two_hosts
+
+
+def test_every_step_is_bounded_with_a_third_to_spare_over_its_work_at_the_slowest_start_up():
+    for cpu in (False, True):
+        for name, (work, bound) in gpu_check.projected(cpu).items():
+            assert work <= bound * 2 / 3, (name, work, bound)
+        bounds = {name: limit for name, _, limit in gpu_check.steps("/w", cpu)}
+        assert gpu_check.RUN_TIMEOUT_S["cpu" if cpu else "gpu"] < bounds["sweep"]
