@@ -23,18 +23,19 @@ def test_each_mode_trains_and_writes_its_record(name, quick_mnist_dir, tmp_path)
     args = ["--data-dir", quick_mnist_dir, "--epochs", 1, "--max-steps", STEPS, "--batch-size", BATCH,
             "--log-interval", 0, "--metrics-json", metrics]
     args += ["--snapshot", tmp_path / "snapshot.pt"] if mode.snapshot else []
-    args += ["--master-port", free_port()] if mode.launch == "spawn" else []  # 04's default port may be taken
-    if mode.launch == "multinode":  # two "nodes" of one process each on this host
+    if mode.launch.nodes > 1:  # two "nodes" of one process each on this host
         result = run_two_nodes(*args, timeout=180)
-    else:
+    else:  # a script that starts its processes itself takes a free port (04's default may be taken)
+        args += ["--master-port", free_port()] if "--master-port" in mode.flags else []
         result = run(script_command(mode.script, *args, nprocs=PROCESSES if mode.collective else None), timeout=180)
     assert "epoch 1:" in result.stdout, result.stdout
     record = json.loads(metrics.read_text())
     world_size = PROCESSES if mode.collective else 1  # 02 on the CPU: one replica, saying so
     assert RECORD_KEYS <= record.keys(), f"{mode.script} misses {RECORD_KEYS - record.keys()}"
     assert (record["mode"], record["script"], record["world_size"]) == (name, mode.script, world_size)
-    assert (record["steps"], record["global_batch"]) == (STEPS, world_size * BATCH)
-    assert record["train_samples"] == STEPS * world_size * BATCH
+    global_batch = mode.batch.global_batch(BATCH, world_size)  # 09's ranks share one batch
+    assert (record["steps"], record["global_batch"]) == (STEPS, global_batch)
+    assert record["train_samples"] == STEPS * global_batch
     (epoch,) = record["epochs_detail"]
     assert EPOCH_KEYS <= epoch.keys() and epoch["test_samples"] == QUICK_TEST_IMAGES
     assert math.isfinite(epoch["train_loss"]) and record["samples_per_s"] > 0

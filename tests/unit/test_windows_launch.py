@@ -10,11 +10,11 @@ from bench.commands import commands
 from bench.measure import allreduce
 from bench.family import MODES
 
-TORCHRUN_MODES = [name for name, mode in MODES.items() if mode.launch == "torchrun"]
+TORCHRUN_MODES = [name for name, mode in MODES.items() if mode.launch.torchrun]
 
 
 def settings(gpus):
-    return plan.Settings(gpus=gpus, max_n=max(len(gpus), 2), per_device_batches=[64], epochs=1, max_steps=5,
+    return plan.Settings(gpus=gpus, max_n=max(len(gpus), 2), per_device_batches=[64], epochs=1, epoch_images=5 * 64,
                          test_batch_size=1000, seed=1, synthetic=True, data_dir="data", target_acc=0.98,
                          timeout=None, cores=2)
 
@@ -27,7 +27,7 @@ def environments(gpus):
 
 @pytest.mark.parametrize("gpus", [[], ["0", "1"]], ids=["cpu", "gpus"])
 def test_on_windows_exactly_the_torchrun_runs_get_use_libuv_0(gpus, monkeypatch):
-    assert sorted(TORCHRUN_MODES) == ["ddp_fault_tolerant", "ddp_launch", "fsdp"]  # 03, 06, 08
+    assert sorted(TORCHRUN_MODES) == ["ddp_fault_tolerant", "ddp_launch", "fsdp", "tensor_parallel"]  # 03 06 08 09
     monkeypatch.setattr(os, "name", "nt")
     on_windows = environments(gpus)
     monkeypatch.undo()
