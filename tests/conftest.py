@@ -1,4 +1,5 @@
 """Shared test fixtures: a small learnable MNIST in torchvision's raw layout, and running scripts as a user does."""
+import importlib.util
 import os
 import shlex
 import subprocess
@@ -77,6 +78,21 @@ def without_linux_only(tmp_path, root=ROOT):
     hook, log = Path(__file__).resolve().parent / "no_linux_only", Path(tmp_path) / "hooked.txt"
     path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
     return dict(PYTHONPATH=path, HIDDEN_FROM=str(root), HIDDEN_LOG=str(log)), log
+
+
+STAND_IN = Path(__file__).resolve().parent / "stand_in_accelerator"
+_hook = importlib.util.spec_from_file_location("stand_in_accelerator", STAND_IN / "sitecustomize.py")
+stand_in_accelerator = importlib.util.module_from_spec(_hook)
+_hook.loader.exec_module(stand_in_accelerator)  # its play(): the in-process stand-ins of tests/test_platforms.py
+
+
+def with_stand_in_accelerator(tmp_path, kind, count=1):
+    """The environment of a run on which torch reports `count` devices of `kind` ("cuda", "mps") and every real
+    device call fails (the hook in tests/stand_in_accelerator), and the file to which each process of the run
+    writes its pid and what it runs, and each device call it made."""
+    log = Path(tmp_path) / f"stand-in-{kind}.txt"
+    path = os.pathsep.join(filter(None, [str(STAND_IN), os.environ.get("PYTHONPATH")]))
+    return dict(PYTHONPATH=path, STAND_IN_ACCELERATOR=kind, STAND_IN_COUNT=str(count), STAND_IN_LOG=str(log)), log
 
 
 # Tests see the CPU only, so that `pytest` checks the same behaviour on a GPU machine (tests marked gpu excepted).
