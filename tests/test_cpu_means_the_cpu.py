@@ -15,14 +15,14 @@ PROCESSES = {"01_single_gpu.py": 1, "02_data_parallel.py": 1}  # the others: 2
 
 def train_on_the_cpu(name, kind, mnist_dir, tmp_path):
     """The records and the hook's log of `name` run with --cpu under a stand-in `kind` (06 twice: its second run
-    resumes the first's snapshot, through the object collectives)."""
+    resumes the first's snapshot for one epoch more, through the object collectives)."""
     env, log = with_stand_in_accelerator(tmp_path, kind)
     common = ["--cpu", "--data-dir", mnist_dir, "--max-steps", 2, "--log-interval", 0, "--threads", 1]
     n = PROCESSES.get(name, 2)
     records = []
     for attempt in range(2 if name == "06_fault_tolerant.py" else 1):
         record = tmp_path / f"record-{attempt}.json"
-        args = [*common, "--metrics-json", record]
+        args = [*common, "--metrics-json", record, "--epochs", 1 + attempt]
         if name == "06_fault_tolerant.py":
             args += ["--snapshot", tmp_path / "snapshot.pt", "--snapshot-every", 1]
         if name == "05_multinode_mnist.py":
