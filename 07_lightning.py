@@ -340,8 +340,7 @@ class Timed(L.Callback):  # Lightning: 03's timed(), in the hooks around each st
         end = clock(device)
         peak = None if device.type == "cpu" else torch.accelerator.max_memory_allocated(device)
         steps, batch = step + 1, len(batch[1]) * world.world_size  # DDP: the batches of all ranks
-        seconds = torch.tensor([end - starts[0], end - starts[-1]], dtype=torch.float64,
-                               device=device)
+        seconds = torch.tensor([end - starts[0], end - starts[-1]], device=device)  # float32: MPS
         seconds = trainer.strategy.reduce(seconds, reduce_op="max")  # Lightning: all_reduce
         seconds = seconds.tolist()  # DDP: in the time of the slowest rank
         self.epochs.append(dict(steps=steps, train_samples=steps * batch,

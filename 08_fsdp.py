@@ -200,9 +200,10 @@ def run(args, world):
         sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(sampler)} images")
     net = Net(dropout=not args.no_dropout).to(world.device)
     torch.manual_seed(args.seed + world.rank)  # FSDP: its own dropout
+    mesh = dist.init_device_mesh(world.device.type, (world.world_size,))  # FSDP: ours, not any GPU
     for layer in net.children():  # FSDP: layer by layer, each gathered only while it runs
-        fully_shard(layer)
-    model = fully_shard(net)  # FSDP: the root; its parameters, all the optimizer sees, are shards
+        fully_shard(layer, mesh=mesh)
+    model = fully_shard(net, mesh=mesh)  # FSDP: the root; the optimizer sees only its shards
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     epochs = []  # measure: each epoch's timing and results

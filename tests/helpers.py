@@ -2,6 +2,7 @@
 more than one test file makes. Test files import from here (`from helpers import ...`), never from each other;
 tests/conftest.py holds only pytest's hooks and fixtures."""
 import ast
+import importlib.util
 import json
 import os
 import shlex
@@ -30,6 +31,48 @@ QUICK_TEST_IMAGES = 1000  # the tests' test split: 10,000 would make evaluation 
 FSDP_TEST_BATCH = 111
 # Environment for runs that must not reach the network: any download attempt fails at once.
 NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
+STAND_IN = Path(__file__).resolve().parent / "stand_in_accelerator"
+_hook = importlib.util.spec_from_file_location("stand_in_accelerator", STAND_IN / "sitecustomize.py")
+stand_in_accelerator = importlib.util.module_from_spec(_hook)
+_hook.loader.exec_module(stand_in_accelerator)  # its play(): the in-process stand-ins of tests/test_platforms.py
+
+
+def with_stand_in_accelerator(tmp_path, kind, count=1):
+    """The environment of a run on which torch reports `count` devices of `kind` ("cuda", "mps") and every real
+    device call fails (the hook in tests/stand_in_accelerator), and the file to which each process of the run
+    writes its pid and what it runs, and each device call it made."""
+    log = Path(tmp_path) / f"stand-in-{kind}.txt"
+    path = os.pathsep.join(filter(None, [str(STAND_IN), os.environ.get("PYTHONPATH")]))
+    return dict(PYTHONPATH=path, STAND_IN_ACCELERATOR=kind, STAND_IN_COUNT=str(count), STAND_IN_LOG=str(log)), log
+
+
+# Another set of CPU kernels than the tests run on (x86: ATen's scalar kernels and oneDNN's SSE4.1 ones, or AVX2 where
+# the tests already run on the scalar ones): the same run there differs only by float rounding, other vector
+# widths summing in another order. A mode's update compares with 01's within ROUNDING times that spread, per
+# tensor: a bound from what rounding does to the reference on this CPU, not from one machine's result.
+ROUNDING = 4  # measured: 08 at 3 ranks differs from 01 by up to 2.3 times 01's own spread (scalar/SSE4.1 kernels)
+
+
+def other_kernels():
+    if os.environ.get("ATEN_CPU_CAPABILITY") == "default":
+        return {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    return {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}
+
+
+def rounding_spread(reference, on_other_kernels):
+    """Per tensor of a state dict, the largest difference between a run and the same run on other kernels."""
+    return {name: (tensor - on_other_kernels[name]).abs().max().item() for name, tensor in reference.items()}
+
+
+def assert_same_update(weights, reference, spread, msg=""):
+    """The weights are the reference's, up to what float rounding does to it (ROUNDING x its spread, at least
+    1e-5): an update summed instead of averaged, or a step missed, is far outside."""
+    for name, tensor in reference.items():
+        atol = max(1e-5, ROUNDING * spread[name])
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-4, atol=atol,
+                                   msg=lambda m: f"{msg} {name} (rounding's spread {spread[name]:.1e}): {m}")
+
+
 # Tests see the CPU only, so that `pytest` checks the same behaviour on a GPU machine (tests marked gpu excepted).
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 

@@ -43,7 +43,6 @@ def broken(tmp_path_factory):
                       timeout=240)
 
 
-@pytest.mark.slow
 def test_the_doctor_finds_this_cpu_machine_ready_with_every_check_in_one_table(ready):
     result, report, seconds, _ = ready
     # Its collective and runs have bounds (60 s, 120 s) that a busy machine's start-up of torch can pass.

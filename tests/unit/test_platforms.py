@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torchvision  # noqa: F401  (it imports torch._dynamo, which reads what stand_in replaces: first)
 
 from bench import machine, processes
-from helpers import ROOT, launcher_env, load_script
+from helpers import ROOT, launcher_env, load_script, stand_in_accelerator
 
 CPU = torch.device("cpu")
 # Started by torchrun, they count the GPUs in setup(); 04 and 05 count them once, in the parent's parse_args().
@@ -28,16 +28,13 @@ SPAWNING = {"04_ddp_spawn.py": "--nprocs", "05_multinode_mnist.py": "-g"}  # the
 def stand_in(monkeypatch):
     """use(kind, count): torch reports `count` devices of an accelerator of that kind ("cuda", "mps", "xpu"; None:
     no accelerator), as torch.accelerator, torch.cuda (02 and 07 count CUDA GPUs) and torch.backends.mps (07) do
-    there. Returns the indices that set_device_index was given."""
+    there (the hook of tests/stand_in_accelerator, which runs whole scripts so). Returns the indices that
+    set_device_index was given."""
     chosen = []
 
     def use(kind, count=1):
-        device = torch.device(kind) if kind else None
-        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: device)
-        monkeypatch.setattr(torch.accelerator, "device_count", lambda: count if kind else 0)
+        stand_in_accelerator.play(monkeypatch.setattr, kind, count)
         monkeypatch.setattr(torch.accelerator, "set_device_index", chosen.append)
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: count if kind == "cuda" else 0)
-        monkeypatch.setattr(torch.backends.mps, "is_available", lambda: kind == "mps")
         return chosen
     return use
 
