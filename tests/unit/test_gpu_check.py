@@ -91,25 +91,6 @@ def test_a_test_step_whose_every_test_skipped_is_skipped_not_ok(tmp_path, monkey
     assert log.rstrip().endswith("== SKIPPED, not a pass: all skip")
 
 
-def collected(argv, env):
-    """The tests a step's pytest command selects, collected only (no junit report)."""
-    argv = argv[:argv.index("--junitxml")] + ["--collect-only"] + argv[argv.index("--junitxml") + 2:]
-    result = run(argv, env=env, timeout=300)
-    return {line for line in result.stdout.splitlines() if line.startswith("tests/integration/test_gpu.py::")}
-
-
-def test_the_two_test_steps_select_every_gpu_test_once_without_pandas_or_matplotlib(tmp_path):
-    for name in ("pandas", "matplotlib"):  # a bare machine's Python: neither can be imported
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('no {name} on this machine')")
-    env = {"PYTHONPATH": str(tmp_path)}
-    argv = {name: argv for name, argv, _ in gpu_check.steps(str(tmp_path), False) if argv and "pytest" in argv}
-    tests, two_hosts = collected(argv["gpu tests"], env), collected(argv["two hosts"], env)
-    every = collected([PY, "-m", "pytest", "-q", "tests/integration/test_gpu.py", "--junitxml", "x.xml"], {})
-    assert tests and two_hosts and not tests & two_hosts and tests | two_hosts == every, (tests, two_hosts, every)
-    assert all("two_nodes" in t or "own_gpu" in t for t in two_hosts), two_hosts
-
-
 def test_every_step_is_bounded_with_a_third_to_spare_over_its_work_at_the_slowest_start_up():
     for cpu in (False, True):
         for name, (work, bound) in gpu_check.projected(cpu).items():
