@@ -4,7 +4,7 @@ import sys
 import tarfile
 import time
 
-from helpers import run
+
 from bench import gpu_check
 from helpers import busy_note, slack
 
