@@ -37,7 +37,7 @@ LIMIT_VIEW = dict(variant="variant", mode="mode", n="n", per_device_batch="B", s
 def read_and_summarize(out_dir):
     runs = pd.read_csv(os.path.join(out_dir, "runs.csv"), keep_default_na=False, na_values=[""])
     records = [read_json(os.path.join(out_dir, path), {}) for path in runs["metrics_path"]]
-    runs["held_mib"] = [max(r.get("bytes_per_rank") or [math.nan]) / 2**20 for r in records]  # 08's fullest rank
+    runs["held_mib"] = [max(r.get("bytes_per_rank") or [math.nan]) / 2**20 for r in records]  # the fullest rank
     summary = summarize(runs).merge(runs.groupby(KEYS, as_index=False)["held_mib"].max(), on=KEYS, how="left")
     write_atomically(os.path.join(out_dir, "summary.csv"), lambda tmp: summary.to_csv(tmp, index=False))
     return runs, summary
@@ -168,7 +168,7 @@ def batch_rules(summary):
 def head(env, summary, settings):
     reference = BLOCKS["reference_shared_cores" if shares_cores(summary).any() else "reference_gpus"]
     shared = [MODES[name].number for name in MODES if MODES[name].batch.shared and name in set(summary["mode"])]
-    reference += BLOCKS["shared_batch"].format(scripts=", ".join(shared)) if shared else ""
+    reference += "\n\n" + BLOCKS["shared_batch"].format(scripts=", ".join(shared)) if shared else ""
     return BLOCKS["head"].format(
         hardware=env["hardware"], devices="processes" if settings.cpu else "GPUs", loader=loader_line(env, summary),
         reference=reference.format(cores=settings.cores),
