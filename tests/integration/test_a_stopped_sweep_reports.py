@@ -10,7 +10,7 @@ from helpers import start, stop
 def test_a_sweep_stopped_by_sigterm_writes_the_report_and_plots_of_its_finished_runs(tmp_path):
     out = tmp_path / "sweep"
     sweep = start([sys.executable, "bench/run_all.py", "--cpu", "1", "--modes", "01,02", "--synthetic", "--epochs",
-                   "1", "--max-steps", "5", "--out", str(out)])
+                   "1", "--epoch-images", "320", "--out", str(out)])
     try:
         deadline = time.monotonic() + 400
         while not (out / "runs.csv").exists():  # written once the first run (01) has finished

@@ -121,7 +121,7 @@ def test_the_harness_inside_a_batch_job_sweeps_every_mode_it_is_given_07_include
     the job's SLURM_* variables, so Lightning does not take the job's one task per node for 07's layout."""
     out = tmp_path / "sweep"
     sweep = [sys.executable, "bench/run_all.py", "--cpu", "2", "--synthetic", "--modes", "03,07", "--epochs", "1",
-             "--max-steps", "6", "--per-gpu-batch", "16", "--out", str(out)]
+             "--epoch-images", "96", "--per-gpu-batch", "16", "--out", str(out)]
     command = ["sbatch", "--parsable", "--wait", "--nodes=1", "--ntasks-per-node=1", f"--cpus-per-task={CPUS}",
                "--job-name=sweep", f"--output={tmp_path}/job-%j.out", "--wrap", subprocess.list2cmdline(sweep)]
     job = subprocess.run(command, cwd=ROOT, env=cluster, capture_output=True, text=True, timeout=2 * JOB_TIMEOUT_S)
