@@ -66,7 +66,8 @@ def test_metrics_record_is_complete_and_consistent(same_batch_runs):
     for script, (_, record, _) in same_batch_runs.items():
         assert RECORD_KEYS <= record.keys(), f"{script} misses {RECORD_KEYS - record.keys()}"
         assert record["script"] == script and record["schema"] == 1
-        assert record["per_device_batch"] * record["world_size"] == record["global_batch"]
+        batch = by_script(script).batch  # n x B, or 09's one batch B that every rank shares
+        assert batch.global_batch(record["per_device_batch"], record["world_size"]) == record["global_batch"]
         assert record["train_samples"] == record["steps"] * record["global_batch"]
         assert [e["epoch"] for e in record["epochs_detail"]] == [1, 2]
         assert all(EPOCH_KEYS <= e.keys() and e["test_samples"] == QUICK_TEST_IMAGES for e in record["epochs_detail"])
@@ -82,7 +83,7 @@ def test_distributed_modes_record_their_world(same_batch_runs):
     expected = {"01_single_gpu.py": ("single", 1, 1), "02_data_parallel.py": ("dp", 1, 1),
                 "03_ddp_launch.py": ("ddp_launch", 2, 1), "04_ddp_spawn.py": ("ddp_spawn", 2, 1),
                 "05_multinode_mnist.py": ("ddp_multinode", 4, 2), "06_fault_tolerant.py": ("ddp_fault_tolerant", 2, 1),
-                "08_fsdp.py": ("fsdp", 2, 1)}
+                "08_fsdp.py": ("fsdp", 2, 1), "09_tensor_parallel.py": ("tensor_parallel", 2, 1)}
     for script, (mode, world_size, nodes) in expected.items():
         record = same_batch_runs[script][1]
         assert (record["mode"], record["world_size"], record["nodes"]) == (mode, world_size, nodes)
