@@ -1,7 +1,6 @@
 """pytest's hooks and the shared fixtures: the markers, the skip of tests marked gpu where there is no CUDA, a small
 learnable MNIST in torchvision's raw layout, and a stand-in nvidia-smi. What the tests share besides: helpers.py."""
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -10,11 +9,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from helpers import ...` in both tiers' files
 from helpers import NVIDIA_SMI, QUICK_TEST_IMAGES, TRAIN_IMAGES, fake_command, write_fake_mnist  # noqa: E402
-
-
-# Killed (the GPU check's bound, CI's), pytest unwinds as after Ctrl-C: each test's finally and helpers.run() end
-# the process groups they started (in sessions of their own, which a signal to pytest's group does not reach).
-signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 def pytest_configure(config):

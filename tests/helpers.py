@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +103,12 @@ RECORD_KEYS = {"schema", "script", "mode", "device_type", "device_names", "world
                "per_device_batch", "global_batch", "lr", "epochs", "steps", "train_samples", "samples_per_s",
                "epochs_detail", "test_accuracy", "test_loss", "peak_memory_bytes", "synthetic", "torch_version", "argv"}
 EPOCH_KEYS = {"epoch", "train_time_s", "train_loss", "test_loss", "test_accuracy", "test_samples"}
+
+
+# Killed (the GPU check's bound, CI's), a pytest that uses these helpers unwinds as after Ctrl-C: each test's
+# finally and run() below end the process groups they started (in sessions of their own, which a signal to
+# pytest's group does not reach). Here, not in conftest.py: a test outside tests/ that imports run() gets it too.
+signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 # ---- the numbered scripts, started as a user starts them
