@@ -1,5 +1,6 @@
 """The harness on Windows, with os.name emulated: torchrun's runs get USE_LIBUV=0 (PyTorch for Windows has no
 libuv, which torchrun's own store asks for), and the collective check takes the scripts' backend (no NCCL there)."""
+import dataclasses
 import os
 
 import pytest
@@ -9,14 +10,15 @@ from bench import plan
 from bench.commands import commands
 from bench.measure import allreduce
 from bench.family import MODES
+from helpers import gpu_settings
 
 TORCHRUN_MODES = [name for name, mode in MODES.items() if mode.launch.torchrun]
 
 
 def settings(gpus):
-    return plan.Settings(gpus=gpus, max_n=max(len(gpus), 2), per_device_batches=[64], epochs=1, epoch_images=5 * 64,
-                         test_batch_size=1000, seed=1, synthetic=True, data_dir="data", target_acc=0.98,
-                         timeout=None, cores=2)
+    """The helpers' settings with n = 2 at least and a few steps an epoch: what commands() needs."""
+    return dataclasses.replace(gpu_settings(gpus, per_device_batches=[64]), max_n=max(len(gpus), 2),
+                               epoch_images=5 * 64, cores=2)
 
 
 def environments(gpus):
