@@ -4,21 +4,18 @@
     python 01_single_gpu.py --synthetic --max-steps 100   # random data, throughput only
 """
 import argparse
-import json
+import json  # measure
 import os
 import sys
 import tempfile
-import time
+import time  # measure
 from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision import datasets
-
-MODE = "single"
-
 
 class Net(nn.Module):
     """The classic PyTorch MNIST CNN (about 1.2 M parameters)."""
@@ -83,7 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=in_range(0), default=0, help="CPU threads (0: PyTorch's)")
     p.add_argument("--no-dropout", action="store_true", help="for exact comparisons of modes")
     p.add_argument("--save-model", type=writable, metavar="PATH", help="save the weights here")
-    p.add_argument("--metrics-json", type=writable, metavar="PATH", help="write the record here")
+    p.add_argument("--metrics-json", type=writable, metavar="PATH", help="the record")  # measure
     try:
         return p.parse_args(argv)
     except argparse.ArgumentError as e:
@@ -96,38 +93,77 @@ def setup(args):
     device = torch.device("cpu") if args.cpu or accelerator is None else accelerator
     if args.threads:
         torch.set_num_threads(args.threads)
-    return SimpleNamespace(device=device, rank=0, world_size=1, nodes=1, backend=None, is_main=True)
+    return SimpleNamespace(device=device, rank=0, world_size=1, is_main=True)
 
 
-def load_mnist(args, train):
-    """(images, labels) of one split, normalised once: the input pipeline is never what we time."""
-    if args.synthetic:
-        rng = torch.Generator().manual_seed(args.seed + train)
-        n = 60000 if train else 10000
-        return torch.randn(n, 1, 28, 28, generator=rng), torch.randint(0, 10, (n,), generator=rng)
-    try:
-        mnist = datasets.MNIST(args.data_dir, train=train, download=True)
-    except Exception as e:
-        sys.exit(f"error: MNIST could not be loaded from {args.data_dir} ({str(e)[-150:]!r}); "
-                 "a corrupt file: delete it; offline: copy the raw files in, or use --synthetic")
-    return (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, mnist.targets  # MNIST's mean, std
+class MNIST(Dataset):
+    """One split of MNIST, normalised once and kept on the device: no input pipeline to time."""
+
+    def __init__(self, args, train, device):
+        if args.synthetic:
+            rng = torch.Generator().manual_seed(args.seed + train)
+            n = 60000 if train else 10000
+            images = torch.randn(n, 1, 28, 28, generator=rng)
+            labels = torch.randint(0, 10, (n,), generator=rng)
+        else:
+            try:
+                mnist = datasets.MNIST(args.data_dir, train=train, download=True)
+            except Exception as e:
+                sys.exit(f"error: MNIST could not be loaded from {args.data_dir} "
+                         f"({str(e)[-150:]!r}); a corrupt file: delete it; offline: copy the raw "
+                         f"files into {args.data_dir}/MNIST/raw/, or use --synthetic")
+            images = (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081  # MNIST's mean and std
+            labels = mnist.targets
+        self.images, self.labels = images.to(device), labels.to(device)  # 188 MB: fits any GPU
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitems__(self, rows):  # a DataLoader asks for a batch's rows at once: one indexing
+        index = torch.tensor(rows, device=self.labels.device)
+        return self.images[index], self.labels[index]
 
 
-def batches(data, indices, batch_size):
-    """Batches sliced from tensors on the device: no step waits for the host or a DataLoader."""
-    images, labels = data
-    index = torch.tensor(list(indices), dtype=torch.long, device=images.device)  # empty too
-    for batch in index.split(batch_size):
-        yield images[batch], labels[batch]
+def collate(batch):
+    """The DataLoader's collate_fn: MNIST's __getitems__ made the batch already."""
+    return batch
+
+
+def batches(dataset, rows, batch_size, seed):
+    """A DataLoader of these rows, in this order, batch_size at a time (the last may be short)."""
+    seeds = torch.Generator().manual_seed(seed)  # the workers' seeds: not from dropout's RNG
+    return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, num_workers=0,
+                      generator=seeds)  # num_workers: 0 for data on the device, 2-8 for files
+
+
+def load_data(args, rank, world_size, device):
+    """This rank's data: training(epoch), its share of the epoch's full batches, a new shuffle each
+    epoch, and testing(), its share of the test set, every row on one rank, none repeated."""
+    train_set, test_set = MNIST(args, True, device), MNIST(args, False, device)
+    sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
+    test_rows = range(rank, len(test_set), world_size)  # a sampler would pad with repeated rows
+    steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))  # full batches
+    if steps == 0:
+        sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(sampler)} samples")
+
+    def training(epoch):
+        sampler.set_epoch(epoch)  # a new shuffle of all the training samples every epoch
+        order = list(sampler)[:steps * args.batch_size]
+        return batches(train_set, order, args.batch_size, args.seed + epoch)
+
+    def testing():
+        return batches(test_set, test_rows, args.test_batch_size, args.seed)
+    return training, testing
 
 
 def train_epoch(model, train_batches, optimizer, args, world, epoch):
     """One epoch of training; returns the mean training loss."""
     model.train()
     loss_sum = torch.zeros((), device=world.device)  # float32: MPS has no float64
-    for step, (images, labels) in enumerate(train_batches):
+    for step, (inputs, labels) in enumerate(train_batches):
+        inputs, labels = inputs.to(world.device), labels.to(world.device)  # MNIST's are there
         optimizer.zero_grad(set_to_none=True)
-        output = model(images)
+        output = model(inputs)
         loss = F.cross_entropy(output, labels)
         loss.backward()
         optimizer.step()
@@ -138,45 +174,37 @@ def train_epoch(model, train_batches, optimizer, args, world, epoch):
 
 
 @torch.no_grad()
-def evaluate(net, data, indices, args, world):
-    """Loss and accuracy on the test images at these indices."""
+def evaluate(net, test_batches, world):
+    """Loss and accuracy over these test batches, and how many samples they held."""
     net.eval()
-    loss_sum, correct = 0.0, 0
-    for images, labels in batches(data, indices, args.test_batch_size):
-        output = net(images)
+    loss_sum, correct, count = 0.0, 0, 0
+    for inputs, labels in test_batches:
+        inputs, labels = inputs.to(world.device), labels.to(world.device)
+        output = net(inputs)
         loss_sum += F.cross_entropy(output, labels, reduction="sum").item()
         correct += (output.argmax(dim=1) == labels).sum().item()
-    count = len(indices)
+        count += len(labels)  # counted, not assumed: a dropped or a repeated row would show
     return dict(test_loss=loss_sum / count, test_accuracy=correct / count, test_samples=count)
 
 
 def run(args, world):
     torch.manual_seed(args.seed)
-    train_data = [t.to(world.device) for t in load_mnist(args, train=True)]  # 188 MB: fits any GPU
-    test_data = [t.to(world.device) for t in load_mnist(args, train=False)]
-    train_size, test_size = len(train_data[1]), len(test_data[1])
-    sampler = DistributedSampler(range(train_size), num_replicas=1, rank=0, seed=args.seed)
-    test_indices = range(test_size)
-    steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))  # full batches
-    if steps == 0:
-        sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(sampler)} images")
+    training, testing = load_data(args, 0, 1, world.device)  # one process: all the data
     net = Net(dropout=not args.no_dropout).to(world.device)
     model = net
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     epochs = []  # measure: each epoch's timing and results
     for epoch in range(1, args.epochs + 1):
-        sampler.set_epoch(epoch)  # a new shuffle of all the training images every epoch
-        order = list(sampler)[:steps * args.batch_size]
-        train_batches = batches(train_data, order, args.batch_size)
+        train_batches = training(epoch)
         train_batches = timed(train_batches, world, epochs)  # measure
         train_loss = train_epoch(model, train_batches, optimizer, args, world, epoch)
-        test = evaluate(net, test_data, test_indices, args, world)
+        test = evaluate(net, testing(), world)
         epochs[-1].update(epoch=epoch, train_loss=train_loss, **test)  # measure
         scheduler.step()
         if world.is_main:
             print(f"epoch {epoch}: train loss {train_loss:.4f}, accuracy "
-                  f"{test['test_accuracy']:.2%} of {test['test_samples']} test images", flush=True)
+                  f"{test['test_accuracy']:.2%} of {test['test_samples']} test samples", flush=True)
     if world.is_main and args.save_model:
         torch.save(net.state_dict(), args.save_model)
     write_record(args.metrics_json, args, world, epochs)  # measure
@@ -184,6 +212,7 @@ def run(args, world):
 
 # ---- Measurement, for the benchmark in bench/ only. A copier may delete from here down to -----
 # `if __name__`, and the lines above marked "# measure": the script still trains.
+MODE = "single"
 WARMUP_STEPS = 5  # left out of samples_per_s: the first steps pay for allocation and kernel choice
 
 
@@ -201,10 +230,10 @@ def timed(train_batches, world, epochs):
     if warmup and device.type != "cpu":
         torch.accelerator.reset_peak_memory_stats(device)  # the peak of training, not loading
     starts = []  # of the warm-up steps and of the first timed one: at least one step is timed
-    for step, (images, labels) in enumerate(train_batches):
+    for step, (inputs, labels) in enumerate(train_batches):
         if step <= warmup:
             starts.append(clock(device))  # warm-up steps wait for the device; later ones never
-        yield images, labels
+        yield inputs, labels
     end = clock(device)
     peak = None if device.type == "cpu" else torch.accelerator.max_memory_allocated(device)
     steps, batch = step + 1, len(labels)
@@ -225,7 +254,7 @@ def write_record(path, args, world, epochs):
         schema=1, script=os.path.basename(__file__), mode=MODE,
         device_type=device.type,
         device_names=[torch.cuda.get_device_name() if device.type == "cuda" else device.type],
-        world_size=world.world_size, nodes=world.nodes, backend=world.backend,
+        world_size=world.world_size, nodes=1, backend=None,
         threads=torch.get_num_threads(),
         per_device_batch=args.batch_size,
         global_batch=args.batch_size * world.world_size,

@@ -17,12 +17,12 @@ train_dataloader (once tng_dataloader), configure_optimizers, on_validation_epoc
 validation_end); metrics go to a Callback or self.log (once update_tng_log_metrics).
 """
 import argparse
-import json
+import json  # measure
 import logging  # Lightning: its lines, quietened below
 import os
 import sys
 import tempfile
-import time
+import time  # measure
 import warnings  # Lightning
 from types import SimpleNamespace
 
@@ -34,10 +34,9 @@ import torch.nn.functional as F
 from lightning.fabric.plugins.environments import SLURMEnvironment  # Lightning
 from lightning.pytorch.strategies import DDPStrategy  # Lightning
 from lightning.pytorch.utilities import disable_possible_user_warnings  # Lightning
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision import datasets
 
-MODE = "lightning"  # Lightning
 # Lightning: output like 03's, without "GPU available" lines or advice on workers. At import, so
 # that the processes ddp_spawn starts (they import this file, they do not run it) are quiet too.
 for name in ["lightning.pytorch", "lightning.fabric"]:
@@ -109,7 +108,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=in_range(0), default=0, help="CPU threads (0: PyTorch's)")
     p.add_argument("--no-dropout", action="store_true", help="for exact comparisons of modes")
     p.add_argument("--save-model", type=writable, metavar="PATH", help="save the weights here")
-    p.add_argument("--metrics-json", type=writable, metavar="PATH", help="write the record here")
+    p.add_argument("--metrics-json", type=writable, metavar="PATH", help="the record")  # measure
     # Lightning: the Trainer's own flags; under torchrun or srun, the processes the launcher started
     p.add_argument("--devices", type=in_range(1), default=1, help="processes per machine")
     p.add_argument("--num-nodes", type=in_range(1), default=1, help="machines, --devices on each")
@@ -150,44 +149,70 @@ def setup(args):
         accelerator=accelerator, devices=args.devices, num_nodes=args.num_nodes,
         strategy=strategy, max_epochs=args.epochs,
         reload_dataloaders_every_n_epochs=1,  # train_dataloader() each epoch: its shuffle
+        use_distributed_sampler=False,  # the shares are load_data's, not a sampler of Lightning's
         callbacks=[Timed(args)],  # measure
         num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False)
 
 
-def load_mnist(args, train):
-    """(images, labels) of one split, normalised once: the input pipeline is never what we time."""
-    if args.synthetic:
-        rng = torch.Generator().manual_seed(args.seed + train)
-        n = 60000 if train else 10000
-        return torch.randn(n, 1, 28, 28, generator=rng), torch.randint(0, 10, (n,), generator=rng)
-    try:
-        mnist = datasets.MNIST(args.data_dir, train=train, download=True)
-    except Exception as e:
-        sys.exit(f"error: MNIST could not be loaded from {args.data_dir} ({str(e)[-150:]!r}); "
-                 "a corrupt file: delete it; offline: copy the raw files in, or use --synthetic")
-    return (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, mnist.targets  # MNIST's mean, std
+class MNIST(Dataset):
+    """One split of MNIST, normalised once and kept on the device: no input pipeline to time."""
 
-
-def batches(data, indices, batch_size):
-    """Batches sliced from tensors on the device: no step waits for the host or a DataLoader."""
-    images, labels = data
-    index = torch.tensor(list(indices), dtype=torch.long, device=images.device)  # empty too
-    for batch in index.split(batch_size):
-        yield images[batch], labels[batch]
-
-
-# Lightning: batches() as a loader, with a length: the Trainer counts the steps. Not a DataLoader,
-# so Lightning gives it no sampler of its own: the order and the shares are 03's (no padding)
-class Batches:
-    def __init__(self, data, indices, batch_size):
-        self.data, self.indices, self.batch_size = data, indices, batch_size
+    def __init__(self, args, train, device):
+        if args.synthetic:
+            rng = torch.Generator().manual_seed(args.seed + train)
+            n = 60000 if train else 10000
+            images = torch.randn(n, 1, 28, 28, generator=rng)
+            labels = torch.randint(0, 10, (n,), generator=rng)
+        else:
+            try:
+                mnist = datasets.MNIST(args.data_dir, train=train, download=True)
+            except Exception as e:
+                sys.exit(f"error: MNIST could not be loaded from {args.data_dir} "
+                         f"({str(e)[-150:]!r}); a corrupt file: delete it; offline: copy the raw "
+                         f"files into {args.data_dir}/MNIST/raw/, or use --synthetic")
+            images = (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081  # MNIST's mean and std
+            labels = mnist.targets
+        self.images, self.labels = images.to(device), labels.to(device)  # 188 MB: fits any GPU
 
     def __len__(self):
-        return -(-len(self.indices) // self.batch_size)  # a test share's last batch: short
+        return len(self.labels)
 
-    def __iter__(self):
-        return batches(self.data, self.indices, self.batch_size)
+    def __getitems__(self, rows):  # a DataLoader asks for a batch's rows at once: one indexing
+        index = torch.tensor(rows, device=self.labels.device)
+        return self.images[index], self.labels[index]
+
+
+def collate(batch):
+    """The DataLoader's collate_fn: MNIST's __getitems__ made the batch already."""
+    return batch
+
+
+def batches(dataset, rows, batch_size, seed):
+    """A DataLoader of these rows, in this order, batch_size at a time (the last may be short)."""
+    seeds = torch.Generator().manual_seed(seed)  # the workers' seeds: not from dropout's RNG
+    return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, num_workers=0,
+                      generator=seeds)  # num_workers: 0 for data on the device, 2-8 for files
+
+
+def load_data(args, rank, world_size, device):
+    """This rank's data: training(epoch), its share of the epoch's full batches, a new shuffle each
+    epoch, and testing(), its share of the test set, every row on one rank, none repeated."""
+    train_set, test_set = MNIST(args, True, device), MNIST(args, False, device)
+    sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
+    test_rows = range(rank, len(test_set), world_size)  # a sampler would pad with repeated rows
+    steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))  # full batches
+    if steps == 0:
+        sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(sampler)} samples")
+
+    def training(epoch):
+        sampler.set_epoch(epoch)  # a new shuffle of all the training samples every epoch
+        order = list(sampler)[:steps * args.batch_size]
+        return batches(train_set, order, args.batch_size, args.seed + epoch)
+
+    def testing():
+        return batches(test_set, test_rows, args.test_batch_size, args.seed)
+    return training, testing
 
 
 class MNISTModule(L.LightningModule):  # Lightning: 03's train_epoch, evaluate and run, as hooks
@@ -200,8 +225,8 @@ class MNISTModule(L.LightningModule):  # Lightning: 03's train_epoch, evaluate a
 
     def prepare_data(self):  # Lightning: in one process per machine, first: 03's barriers
         if not self.args.synthetic:  # MNIST downloaded, if missing, before the others read it
-            load_mnist(self.args, train=True)
-            load_mnist(self.args, train=False)
+            MNIST(self.args, True, "cpu")
+            MNIST(self.args, False, "cpu")
 
     # Lightning: in every process, in its process group; then the Trainer moves the model to the
     # device and wraps it in DDP
@@ -211,20 +236,12 @@ class MNISTModule(L.LightningModule):  # Lightning: 03's train_epoch, evaluate a
             torch.set_num_threads(args.threads)
         self.world = world = SimpleNamespace(
             device=trainer.strategy.root_device, rank=trainer.global_rank,
-            world_size=trainer.world_size, local_rank=trainer.local_rank, nodes=trainer.num_nodes,
-            backend=dist.get_backend() if dist.is_initialized() else None,  # none for one device
-            is_main=trainer.is_global_zero)
+            world_size=trainer.world_size, is_main=trainer.is_global_zero)
+        world.nodes = trainer.num_nodes  # measure: the record's, as is the backend (1 device: none)
+        world.backend = dist.get_backend() if dist.is_initialized() else None  # measure
         torch.manual_seed(args.seed + world.rank)  # DDP: its own dropout; DDP copies rank 0's
-        self.train_data = [t.to(world.device) for t in load_mnist(args, train=True)]  # 188 MB
-        self.test_data = [t.to(world.device) for t in load_mnist(args, train=False)]
-        train_size, test_size = len(self.train_data[1]), len(self.test_data[1])
-        self.sampler = DistributedSampler(range(train_size), world.world_size, world.rank,
-                                          seed=args.seed)
-        self.test_indices = range(world.rank, test_size, world.world_size)  # DDP: each image once
-        self.steps = min(len(self.sampler) // args.batch_size, args.max_steps or len(self.sampler))
-        if self.steps == 0:
-            sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(self.sampler)} "
-                     "images")
+        self.train_batches, self.test_batches = load_data(args, world.rank, world.world_size,
+                                                          world.device)  # DDP: this rank's share
         self.net = Net(dropout=not args.no_dropout)
 
     def configure_optimizers(self):
@@ -233,40 +250,40 @@ class MNISTModule(L.LightningModule):  # Lightning: 03's train_epoch, evaluate a
         return dict(optimizer=optimizer, lr_scheduler=scheduler)  # stepped once an epoch
 
     def train_dataloader(self):  # Lightning: at each epoch's start, its full batches
-        self.sampler.set_epoch(self.current_epoch + 1)  # Lightning counts epochs from 0, 03 from 1
-        order = list(self.sampler)[:self.steps * self.args.batch_size]
-        return Batches(self.train_data, order, self.args.batch_size)
+        return self.train_batches(self.current_epoch + 1)  # Lightning counts from 0, 03 from 1
 
     def on_train_epoch_start(self):  # Lightning
         self.loss_sum = torch.zeros((), device=self.world.device)  # float32: MPS has no float64
 
     def training_step(self, batch, batch_idx):
-        images, labels = batch  # already on the device
-        output = self.net(images)
+        inputs, labels = batch  # Lightning moved them to the device
+        output = self.net(inputs)
         loss = F.cross_entropy(output, labels)
         self.loss_sum += loss.detach()  # summed on the device: no waiting for the GPU
+        self.steps = batch_idx + 1
         args, epoch = self.args, self.current_epoch + 1  # Lightning counts epochs from 0
         if self.world.is_main and args.log_interval and batch_idx % args.log_interval == 0:
             print(f"epoch {epoch} step {batch_idx} loss {loss.item():.4f}", flush=True)
         return loss  # Lightning calls backward and the optimizer's step
 
-    def val_dataloader(self):  # Lightning: the test images after each epoch's last step
-        return Batches(self.test_data, self.test_indices, self.args.test_batch_size)
+    def val_dataloader(self):  # Lightning: the test set after each epoch's last step
+        return self.test_batches()
 
     # Lightning: in eval() and without gradients, as 03's evaluate(); through DDP, whose first
     # forward after training gives every rank rank 0's buffers (03 broadcasts them itself)
     def on_validation_epoch_start(self):
-        self.test_loss_sum, self.correct = 0.0, 0
+        self.test_loss_sum, self.correct, self.count = 0.0, 0, 0
 
     def validation_step(self, batch, batch_idx):
-        images, labels = batch
-        output = self.net(images)
+        inputs, labels = batch
+        output = self.net(inputs)
         self.test_loss_sum += F.cross_entropy(output, labels, reduction="sum").item()
         self.correct += (output.argmax(dim=1) == labels).sum().item()
+        self.count += len(labels)  # counted, not assumed: a dropped or a repeated row would show
 
     def on_validation_epoch_end(self):  # Lightning: the end of the epoch
         world, reduce = self.world, self.trainer.strategy.reduce  # Lightning: dist.all_reduce,
-        totals = torch.tensor([self.test_loss_sum, self.correct, len(self.test_indices)],
+        totals = torch.tensor([self.test_loss_sum, self.correct, self.count],
                               device=world.device)  # or nothing on one device (no group)
         loss_sum, correct, count = reduce(totals, reduce_op="sum").tolist()  # DDP: of all ranks
         self.test = dict(test_loss=loss_sum / count, test_accuracy=correct / count,
@@ -275,7 +292,7 @@ class MNISTModule(L.LightningModule):  # Lightning: 03's train_epoch, evaluate a
         self.train_loss = loss_sum.item() / self.steps / world.world_size
         if world.is_main:
             print(f"epoch {self.current_epoch + 1}: train loss {self.train_loss:.4f}, accuracy "
-                  f"{self.test['test_accuracy']:.2%} of {self.test['test_samples']} test images",
+                  f"{self.test['test_accuracy']:.2%} of {self.test['test_samples']} test samples",
                   flush=True)
 
     def on_train_end(self):  # Lightning
@@ -307,6 +324,7 @@ def run(args, trainer):
 
 # ---- Measurement, for the benchmark in bench/ only. A copier may delete from here down to -----
 # `if __name__`, and the lines above marked "# measure": the script still trains.
+MODE = "lightning"  # Lightning
 WARMUP_STEPS = 5  # left out of samples_per_s: the first steps pay for allocation and kernel choice
 
 
@@ -367,7 +385,7 @@ def write_record(path, args, world, epochs):
         schema=1, script=os.path.basename(__file__), mode=MODE,
         device_type=device.type,
         device_names=[torch.cuda.get_device_name() if device.type == "cuda" else device.type],
-        world_size=world.world_size, nodes=world.nodes, backend=world.backend,
+        world_size=world.world_size, nodes=world.nodes, backend=world.backend,  # Lightning: setup()
         threads=torch.get_num_threads(),
         per_device_batch=args.batch_size,
         global_batch=args.batch_size * world.world_size,
