@@ -120,7 +120,7 @@ class MNIST(Dataset):
         return len(self.labels)
 
     def __getitems__(self, rows):  # a DataLoader asks for a batch's rows at once: one indexing
-        index = torch.tensor(rows, device=self.labels.device)
+        index = torch.tensor(rows).to(self.labels.device, non_blocking=True)  # not waiting for it
         return self.images[index], self.labels[index]
 
 
@@ -189,7 +189,7 @@ def evaluate(net, test_batches, world):
 
 def run(args, world):
     torch.manual_seed(args.seed)
-    training, testing = load_data(args, 0, 1, world.device)  # one process: all the data
+    training, testing = load_data(args, world.rank, world.world_size, world.device)
     net = Net(dropout=not args.no_dropout).to(world.device)
     model = net
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)

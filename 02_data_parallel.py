@@ -101,8 +101,8 @@ def setup(args):
         print(f"DataParallel needs CUDA GPUs: one replica on the {device.type}", file=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
-    return SimpleNamespace(device=devices[0], devices=devices, rank=0, world_size=len(devices),
-                           is_main=True)  # DP: devices[0] holds the batch
+    return SimpleNamespace(device=devices[0], devices=devices, rank=0, world_size=1,
+                           is_main=True)  # DP: one process; devices[0] holds each batch
 
 
 class MNIST(Dataset):
@@ -129,7 +129,7 @@ class MNIST(Dataset):
         return len(self.labels)
 
     def __getitems__(self, rows):  # a DataLoader asks for a batch's rows at once: one indexing
-        index = torch.tensor(rows, device=self.labels.device)
+        index = torch.tensor(rows).to(self.labels.device, non_blocking=True)  # not waiting for it
         return self.images[index], self.labels[index]
 
 
@@ -198,7 +198,7 @@ def evaluate(net, test_batches, world):
 
 def run(args, world):
     torch.manual_seed(args.seed)
-    training, testing = load_data(args, 0, 1, world.device)  # one process: all the data
+    training, testing = load_data(args, world.rank, world.world_size, world.device)
     net = Net(dropout=not args.no_dropout).to(world.device)
     # DP: each step scatters the batch from the first GPU, copies the model to every GPU, runs the
     # copies in threads and gathers their outputs back on the first.
@@ -269,10 +269,10 @@ def write_record(path, args, world, epochs):
         device_type=device.type,
         device_names=[torch.cuda.get_device_name(d) if d.type == "cuda" else d.type
                       for d in world.devices],  # DP: each replica's
-        world_size=world.world_size, nodes=1, backend=None,
+        world_size=len(world.devices), nodes=1, backend=None,  # DP: the replicas
         threads=torch.get_num_threads(),
-        per_device_batch=args.batch_size / world.world_size,  # DP: the batch is split
-        global_batch=args.batch_size,
+        per_device_batch=args.batch_size / len(world.devices),  # DP: the batch is split
+        global_batch=args.batch_size * world.world_size,
         lr=args.lr,
         epochs=len(epochs),
         **totals,

@@ -140,7 +140,7 @@ class MNIST(Dataset):
         return len(self.labels)
 
     def __getitems__(self, rows):  # a DataLoader asks for a batch's rows at once: one indexing
-        index = torch.tensor(rows, device=self.labels.device)
+        index = torch.tensor(rows).to(self.labels.device, non_blocking=True)  # not waiting for it
         return self.images[index], self.labels[index]
 
 
@@ -217,7 +217,7 @@ def run(args, world):
     torch.manual_seed(args.seed + world.rank)  # DDP: its own dropout; DDP copies rank 0's weights
     if world.local_rank != 0:
         dist.barrier()  # DDP: one process per machine downloads; the others wait, then read it
-    training, testing = load_data(args, world.rank, world.world_size, world.device)  # DDP
+    training, testing = load_data(args, world.rank, world.world_size, world.device)
     if world.local_rank == 0:
         dist.barrier()  # DDP: the files are there
     net = Net(dropout=not args.no_dropout).to(world.device)

@@ -179,7 +179,7 @@ class MNIST(Dataset):
         return len(self.labels)
 
     def __getitems__(self, rows):  # a DataLoader asks for a batch's rows at once: one indexing
-        index = torch.tensor(rows, device=self.labels.device)
+        index = torch.tensor(rows).to(self.labels.device, non_blocking=True)  # not waiting for it
         return self.images[index], self.labels[index]
 
 

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # FSDP
 from torch.distributed.fsdp import fully_shard  # FSDP
-from torch.distributed.tensor import DTensor  # FSDP
+from torch.distributed.tensor import DTensor  # measure: FSDP, for held_bytes
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision import datasets
 
@@ -146,7 +146,7 @@ class MNIST(Dataset):
         return len(self.labels)
 
     def __getitems__(self, rows):  # a DataLoader asks for a batch's rows at once: one indexing
-        index = torch.tensor(rows, device=self.labels.device)
+        index = torch.tensor(rows).to(self.labels.device, non_blocking=True)  # not waiting for it
         return self.images[index], self.labels[index]
 
 
@@ -226,7 +226,7 @@ def run(args, world):
     torch.manual_seed(args.seed)  # FSDP: the same weights on all ranks (fully_shard copies none)
     if world.local_rank != 0:
         dist.barrier()  # DDP: one process per machine downloads; the others wait, then read it
-    training, testing = load_data(args, world.rank, world.world_size, world.device)  # DDP
+    training, testing = load_data(args, world.rank, world.world_size, world.device)
     if world.local_rank == 0:
         dist.barrier()  # DDP: the files are there
     net = Net(dropout=not args.no_dropout).to(world.device)

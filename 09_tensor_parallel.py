@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # FSDP
 from torch.distributed.device_mesh import init_device_mesh  # TP
-from torch.distributed.tensor import DTensor  # FSDP
+from torch.distributed.tensor import DTensor  # measure: FSDP, for held_bytes
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # TP
 from torch.distributed.tensor.parallel import parallelize_module  # TP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -118,8 +118,8 @@ def setup(args):
     backend = dist.get_default_backend_for_device(device)  # DDP: gloo for the CPU, nccl for CUDA
     backend = backend if dist.is_backend_available(backend) else "gloo"  # Windows: no NCCL
     dist.init_process_group(backend, device_id=None if device.type == "cpu" else device)
-    return SimpleNamespace(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
-                           is_main=rank == 0)
+    return SimpleNamespace(device=device, world_size=world_size, local_rank=local_rank,
+                           is_main=rank == 0)  # TP: no rank: every rank takes the same batches
 
 
 class MNIST(Dataset):
@@ -146,7 +146,7 @@ class MNIST(Dataset):
         return len(self.labels)
 
     def __getitems__(self, rows):  # a DataLoader asks for a batch's rows at once: one indexing
-        index = torch.tensor(rows, device=self.labels.device)
+        index = torch.tensor(rows).to(self.labels.device, non_blocking=True)  # not waiting for it
         return self.images[index], self.labels[index]
 
 
@@ -296,7 +296,7 @@ def held_bytes(model, optimizer, world):  # FSDP
                if t.dim()]  # TP: all but Adadelta's step counts, one number each
     held = torch.zeros(world.world_size, dtype=torch.int64, device=world.device)
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]  # TP: convs whole
-    held[world.rank] = sum(t.nbytes for t in local)  # TP: this rank's slices and copies
+    held[dist.get_rank()] = sum(t.nbytes for t in local)  # TP: this rank's slices and copies
     dist.all_reduce(held)  # every rank's, for rank 0's record
     full = sum(t.numel() * t.element_size() for t in tensors)  # a DTensor's numel() is the whole's
     return dict(bytes_per_rank=held.tolist(), full_copy_bytes=full)

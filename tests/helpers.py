@@ -5,6 +5,7 @@ import ast
 import importlib.util
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -207,14 +208,27 @@ def run_two_nodes(*args, gpus=1, timeout=180, env=None):
     return node0
 
 
+MEASURE_MARK = re.compile(r"#\s*measure\b")
+
+
+def without_the_measurement(script):
+    """The script's text as a copier leaves it who deletes the fenced block and the lines marked '# measure'."""
+    source = (ROOT / script).read_text()
+    fence, entry = source.index("# ---- Measurement"), source.index('if __name__ == "__main__":')
+    lines = [line for line in (source[:fence] + source[entry:]).splitlines() if not MEASURE_MARK.search(line)]
+    assert len(lines) < len(source.splitlines()) - 20
+    return "\n".join(lines) + "\n"
+
+
 def evaluate_on_one_process(mnist_dir, weights):
     """What one process (01's code) makes of the given weights: the reference for distributed evaluations."""
     single = load_script("01_single_gpu.py")
     args = single.parse_args(["--data-dir", str(mnist_dir)])
-    test_data = single.load_mnist(args, train=False)
+    cpu = torch.device("cpu")
+    _, testing = single.load_data(args, 0, 1, cpu)
     net = single.Net()
     net.load_state_dict(weights)
-    return single.evaluate(net, test_data, range(len(test_data[1])), args, None)
+    return single.evaluate(net, testing(), SimpleNamespace(device=cpu))
 
 
 def definitions(script):

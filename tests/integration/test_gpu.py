@@ -66,14 +66,14 @@ def test_a_training_step_never_waits_for_the_gpu(quick_mnist_dir):
     single = load_script("01_single_gpu.py")
     args = single.parse_args(["--data-dir", str(quick_mnist_dir), "--log-interval", "0"])
     world = single.setup(args)
-    data = [t.to(world.device) for t in single.load_mnist(args, train=True)]
     net = single.Net().to(world.device)
     optimizer = torch.optim.Adadelta(net.parameters())
     epochs = []
 
     def synchronisations(steps):
-        order = torch.randperm(len(data[1]))[:steps * args.batch_size]
-        batches = single.timed(single.batches(data, order, args.batch_size), world, epochs)  # measured too
+        args.max_steps = steps
+        training, _ = single.load_data(args, 0, 1, world.device)
+        batches = single.timed(training(len(epochs) + 1), world, epochs)  # measured too
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")

@@ -4,13 +4,14 @@ import ast
 import json
 import re
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from helpers import (EPOCH_KEYS, NO_NETWORK, QUICK_TEST_IMAGES, RECORD_KEYS, ROOT, SCRIPTS, TORCHRUN,
                      assert_same_update, by_script, evaluate_on_one_process, load_script, other_kernels,
-                     rounding_spread, run, run_two_nodes, script_command, train_args)
+                     rounding_spread, run, run_two_nodes, script_command, train_args, without_the_measurement)
 
 B = 32  # per-replica batch of the comparison runs; the single-process runs take 2 * B
 
@@ -130,23 +131,10 @@ def test_one_process_per_node_downloads_and_a_missing_dataset_fails_clearly(tmp_
     assert "--synthetic" in result.stderr
 
 
-MEASURE_MARK = re.compile(r"#\s*measure\b")
-
-
-def without_the_measurement(script, folder):
-    """The script as a copier leaves it who deletes the fenced block and the lines marked '# measure'."""
-    source = (ROOT / script).read_text()
-    fence, entry = source.index("# ---- Measurement"), source.index('if __name__ == "__main__":')
-    lines = [line for line in (source[:fence] + source[entry:]).splitlines() if not MEASURE_MARK.search(line)]
-    assert len(lines) < len(source.splitlines()) - 20
-    copy = folder / script
-    copy.write_text("\n".join(lines) + "\n")
-    return copy
-
-
 @pytest.mark.parametrize("script", ["01_single_gpu.py", "03_ddp_launch.py"])
 def test_deleting_the_measurement_leaves_a_script_that_trains(script, quick_mnist_dir, tmp_path):
-    copy = without_the_measurement(script, tmp_path)
+    copy = tmp_path / script
+    copy.write_text(without_the_measurement(script))
     for name in ["timed", "write_record", "clock", "WARMUP_STEPS", "epochs_detail"]:
         assert not re.search(rf"\b{name}\b", copy.read_text()), f"{name} is left in the copy"
     args = ["--data-dir", quick_mnist_dir, "--max-steps", 15, "--log-interval", 0, "--save-model",
@@ -182,15 +170,28 @@ class Net(nn.Module):
         return self.fc(torch.flatten(x, 1))
 """
 OWN_DATA = """
-def load_mnist(args, train):
-    \"\"\"(images, labels): 10 classes of 3 x 32 x 32 images, each a pattern plus noise; each rank's camera
-    brighter than the last, so that each rank's BatchNorm statistics are its own.\"\"\"
-    patterns = torch.randn(10, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    rng = torch.Generator().manual_seed(1 + train)
-    n = 640 if train else 250
-    labels = torch.randint(0, 10, (n,), generator=rng)
-    brighter = 5.0 * dist.get_rank() if train else 0.0
-    return patterns[labels] + 2 * torch.randn(n, 3, 32, 32, generator=rng) + brighter, labels
+class MNIST(Dataset):
+    \"\"\"10 classes of 3 x 32 x 32 images, each a pattern plus noise; each rank's camera brighter than the
+    last, so that each rank's BatchNorm statistics are its own.\"\"\"
+
+    def __init__(self, args, train, device):
+        patterns = torch.randn(10, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+        rng = torch.Generator().manual_seed(1 + train)
+        n = 640 if train else 250
+        self.labels = torch.randint(0, 10, (n,), generator=rng)
+        brighter = 5.0 * dist.get_rank() if train and dist.is_initialized() else 0.0
+        self.images = patterns[self.labels] + 2 * torch.randn(n, 3, 32, 32, generator=rng) + brighter
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, row):
+        return self.images[row], self.labels[row]
+
+
+def collate(batch):
+    \"\"\"The DataLoader's collate_fn: rows stacked into a batch.\"\"\"
+    return torch.utils.data.default_collate(batch)
 """
 
 
@@ -200,8 +201,8 @@ def test_a_copy_with_its_own_model_and_data_keeps_every_guarantee(world_size, tm
     rank 0's model (its running statistics too), which is the model saved. Each rank trains on images of another
     brightness: scored with its own statistics, a rank's share would change the loss by far more than 1e-5."""
     copy = tmp_path / "my_train.py"
-    copy.write_text(replaced(replaced((ROOT / "03_ddp_launch.py").read_text(), "Net", OWN_MODEL), "load_mnist",
-                             OWN_DATA))
+    source = replaced(replaced((ROOT / "03_ddp_launch.py").read_text(), "Net", OWN_MODEL), "collate", "")
+    copy.write_text(replaced(source, "MNIST", OWN_DATA))
     tool = load_script("tools/script_diffs.py")
     assert tool.changed_lines(tool.unified(tmp_path, str(ROOT / "03_ddp_launch.py"), copy.name, 0)) <= 60
     run([*TORCHRUN, "--standalone", f"--nproc_per_node={world_size}", copy, "--epochs", "2", "--batch-size", "16",
@@ -211,7 +212,9 @@ def test_a_copy_with_its_own_model_and_data_keeps_every_guarantee(world_size, tm
     args = mine.parse_args([])
     net = mine.Net()
     net.load_state_dict(torch.load(tmp_path / "model.pt"))
-    reference = single.evaluate(net, mine.load_mnist(args, train=False), range(250), args, None)
+    cpu = torch.device("cpu")
+    test_batches = mine.batches(mine.MNIST(args, False, cpu), range(250), 100, 0)
+    reference = single.evaluate(net, test_batches, SimpleNamespace(device=cpu))
     assert all(e["test_samples"] == 250 for e in record["epochs_detail"])
     assert record["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-5)
     assert record["test_accuracy"] == reference["test_accuracy"] > 0.5  # it learned: chance is 0.1

@@ -21,7 +21,10 @@ from helpers import MODES, ROOT, SCRIPTS, TEST_IMAGES, definitions, free_port, l
 from bench.family import COMMON_FLAGS
 
 # Definitions that every numbered script carries word for word.
-SHARED = ["Net", "in_range", "writable", "load_mnist", "batches", "clock"]
+SHARED = ["Net", "in_range", "writable", "MNIST", "collate", "batches", "clock"]
+# The data seam, load_data: one text for the scripts whose ranks each take a share (01 and 02 as the one rank of 1),
+# another for those that also take as many test batches on every rank (08, and 09, whose every rank takes all).
+SEAMS = [["01", "02", "03", "04", "05", "07"], ["08", "09"]]
 NUMBERED = sorted(path.name for path in ROOT.glob("[0-9][0-9]_*.py"))
 TOOL = ROOT / "tools" / "script_diffs.py"
 # The Markdown a reader is sent to; docs/diffs/ is generated and checked by the tool.
@@ -69,6 +72,9 @@ def test_the_scripts_share_model_data_pipeline_and_checks_word_for_word():
         for name in SHARED:
             assert mine.get(name) == reference[name], f"{script}: {name} differs from {SCRIPTS[0]}'s"
         assert metrics_writes(script) == write, f"{script} writes --metrics-json otherwise than {SCRIPTS[0]}"
+    for numbers in SEAMS:
+        seams = {script: definitions(script)["load_data"] for script in SCRIPTS if script[:2] in numbers}
+        assert len(seams) == len(numbers) and len(set(seams.values())) == 1, f"load_data differs among {numbers}"
 
 
 def test_each_script_is_the_one_before_plus_a_small_diff_in_short_lines():
@@ -101,7 +107,7 @@ def test_every_line_a_script_adds_to_its_parent_is_marked_with_its_idea(tmp_path
     for name in ["01_single_gpu.py", "03_ddp_launch.py"]:  # the check itself: an unmarked change is found
         shutil.copy(ROOT / name, tmp_path / name)
     ddp = tmp_path / "03_ddp_launch.py"
-    ddp.write_text(ddp.read_text().replace("dist.barrier()  # DDP: the files are there", "dist.barrier()"))
+    ddp.write_text(ddp.read_text().replace("dist.destroy_process_group()  # DDP", "dist.destroy_process_group()"))
     assert len(tool.unmarked_hunks(tmp_path, "01_single_gpu.py", "03_ddp_launch.py")) == 1
 
 
@@ -156,7 +162,7 @@ def test_an_excerpt_that_selects_nothing_or_too_much_fails_with_one_line(copy_of
     readme = (root / "README.md").read_text()
     for marker, expected in [("<!-- excerpt 01_single_gpu.py 03_ddp_launch.py: no such line -->",
                               "contains 'no such line'"),
-                             ("<!-- excerpt 01_single_gpu.py: Net | load_mnist -->", "more than 25")]:
+                             ("<!-- excerpt 01_single_gpu.py: Net | MNIST -->", "more than 25")]:
         (root / "README.md").write_text(readme + f"\n{marker}\n<!-- end excerpt -->\n")
         result = script_diffs(root, "--check")
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and expected in result.stderr, result.stderr

@@ -1,6 +1,5 @@
 """08_fsdp.py's code, in this process: it keeps every definition of 03 that sharding does not change, and refuses
 bad input in one line as 03 does (08 run as a user runs it: tests/integration/test_fsdp.py)."""
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,8 +10,8 @@ from helpers import FSDP_TEST_BATCH as TEST_BATCH, QUICK_TEST_IMAGES, definition
 def test_08_keeps_every_definition_of_03_that_sharding_does_not_change():
     """Flags and their checks, the device and the refusals, the data, the training step and the timing."""
     fsdp, ddp = definitions("08_fsdp.py"), definitions("03_ddp_launch.py")
-    for name in ["Net", "in_range", "writable", "parse_args", "setup", "load_mnist", "batches", "train_epoch",
-                 "clock", "timed"]:
+    for name in ["Net", "in_range", "writable", "parse_args", "setup", "MNIST", "collate", "batches", "train_epoch",
+                 "evaluate", "clock", "timed"]:
         assert fsdp[name] == ddp[name], f"08's {name} differs from 03's"
 
 
@@ -36,35 +35,33 @@ def test_bad_input_is_refused_in_one_line_as_03_refuses_it(monkeypatch):
     assert refusal("08_fsdp.py").startswith("error: start me with torchrun --standalone --nproc_per_node N")
 
 
-class Counting(torch.nn.Module):
-    """A stand-in for the sharded model: each forward (an all-gather of every layer in 08) and its images."""
+class Numbered(torch.utils.data.Dataset):
+    """A stand-in for 08's MNIST: each row's input is its own number, so a batch shows which rows it holds."""
 
-    def __init__(self):
-        super().__init__()
-        self.seen = []
+    def __init__(self, args, train, device):
+        self.rows = 4 * QUICK_TEST_IMAGES if train else QUICK_TEST_IMAGES
 
-    def forward(self, images):
-        self.seen.append(images[:, 0].long().tolist())
-        return torch.zeros(len(images), 10)
+    def __len__(self):
+        return self.rows
+
+    def __getitems__(self, rows):
+        return torch.tensor(rows).reshape(-1, 1), torch.zeros(len(rows), dtype=torch.long)
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_every_rank_takes_as_many_evaluation_batches_as_rank_0(n, monkeypatch):
-    """In-process, each rank's evaluate() at world size n with the tests' TEST_BATCH: a rank with one batch more
+    """In-process, each rank's test batches at world size n with the tests' TEST_BATCH: a rank with one batch more
     than the others would wait in its extra forward's all-gather while they all-reduce, a hang (120 s)."""
     fsdp = load_script("08_fsdp.py")
-    monkeypatch.setattr(fsdp.dist, "all_reduce", lambda tensor, *args, **kwargs: None)  # each rank's own sums
-    monkeypatch.setattr(fsdp.dist, "broadcast", lambda tensor, *args, **kwargs: None)
-    data = (torch.arange(QUICK_TEST_IMAGES).float().reshape(-1, 1), torch.zeros(QUICK_TEST_IMAGES, dtype=torch.long))
+    monkeypatch.setattr(fsdp, "MNIST", Numbered)
     args = fsdp.parse_args(["--test-batch-size", str(TEST_BATCH)])
     forwards, images, sizes = [], [], []
     for rank in range(n):
-        world = SimpleNamespace(rank=rank, world_size=n, device=torch.device("cpu"), is_main=rank == 0)
-        net = Counting()
-        fsdp.evaluate(net, data, range(rank, QUICK_TEST_IMAGES, n), args, world)
-        forwards.append(len(net.seen))
-        images += [i for batch in net.seen for i in batch]
-        sizes += [len(batch) for batch in net.seen]
+        _, testing = fsdp.load_data(args, rank, n, torch.device("cpu"))
+        seen = [inputs[:, 0].tolist() for inputs, _ in testing()]
+        forwards.append(len(seen))
+        images += [i for batch in seen for i in batch]
+        sizes += [len(batch) for batch in seen]
     assert len(set(forwards)) == 1, f"forwards per rank at world size {n}: {forwards}"
     assert sorted(images) == list(range(QUICK_TEST_IMAGES))  # every test image once
     assert max(sizes) <= TEST_BATCH, sizes

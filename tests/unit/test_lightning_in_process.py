@@ -68,7 +68,7 @@ BAD = {
                                  "99 processes on this machine but", {}),
     "devices unlike torchrun's": ([], "give --devices 2 --num-nodes 1",
                                   {"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "RANK": "0"}),
-    "batch larger than the data": (["--batch-size", "5000"], "more than the 4096 images", {}),
+    "batch larger than the data": (["--batch-size", "5000"], "more than the 4096 samples", {}),
     "data missing": (["--data-dir", "{tmp}/nothing-here"], "--synthetic", NO_NETWORK),
     "metrics folder missing": (["--metrics-json", "{tmp}/missing/m.json"], "cannot write", {}),
 }

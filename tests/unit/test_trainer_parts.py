@@ -37,9 +37,9 @@ def test_each_epoch_has_its_own_shuffle_and_the_group_is_destroyed(quick_mnist_d
 def test_taking_a_batch_costs_under_2_percent_of_a_training_step(quick_mnist_dir):
     """The input pipeline is never what is measured: time spent getting batches while 01 trains."""
     single = load_script("01_single_gpu.py")
-    args = single.parse_args(["--data-dir", str(quick_mnist_dir), "--log-interval", "0", "--cpu"])
+    args = single.parse_args(["--data-dir", str(quick_mnist_dir), "--log-interval", "0", "--cpu", "--max-steps", "30"])
     world = single.setup(args)
-    data = [t.to(world.device) for t in single.load_mnist(args, train=True)]
+    training, _ = single.load_data(args, 0, 1, world.device)
     net = single.Net().to(world.device)
     spent = []
 
@@ -52,9 +52,8 @@ def test_taking_a_batch_costs_under_2_percent_of_a_training_step(quick_mnist_dir
                 return
             yield batch
 
-    order = torch.randperm(len(data[1]))[:30 * args.batch_size]
     start = time.perf_counter()
-    single.train_epoch(net, timed_batches(single.batches(data, order, args.batch_size)),
+    single.train_epoch(net, timed_batches(iter(training(2))),
                        torch.optim.Adadelta(net.parameters()), args, world, epoch=2)
     train_time_s = time.perf_counter() - start
     assert len(spent) == 31  # 30 batches, then the end
@@ -82,9 +81,9 @@ def timed_epochs(script, clock, world, steps, monkeypatch, epochs=1):
     module = load_script(script)
     monkeypatch.setattr(module, "clock", clock)
     record = []
-    data = (torch.zeros(steps * 4, 1, 28, 28), torch.zeros(steps * 4, dtype=torch.long))
+    batches = [(torch.zeros(4, 1, 28, 28), torch.zeros(4, dtype=torch.long))] * steps
     for _ in range(epochs):
-        for _ in clock.steps(module.timed(module.batches(data, range(steps * 4), 4), world, record)):
+        for _ in clock.steps(module.timed(iter(batches), world, record)):
             pass
     return record
 

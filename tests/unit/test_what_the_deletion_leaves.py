@@ -1,0 +1,47 @@
+"""A copier deletes the measurement (the fenced block and the lines marked '# measure', as the README says) and
+keeps a script with nothing left over: no import, constant, flag or field of the world that only the measurement
+used. (That the rest still trains: tests/integration/test_trainers.py.)"""
+import ast
+
+import pytest
+
+from helpers import SCRIPTS, without_the_measurement
+
+
+def unused(source):
+    """What source imports, assigns at module level, takes as a flag or puts into a SimpleNamespace, and never
+    reads."""
+    tree = ast.parse(source)
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    read = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)}
+    found = []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found += [f"import {name}" for name in ((a.asname or a.name).split(".")[0] for a in node.names)
+                      if name not in names]
+        elif isinstance(node, ast.Assign):
+            found += [f"constant {t.id}" for t in node.targets if isinstance(t, ast.Name) and t.id not in names]
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        if getattr(node.func, "attr", None) == "add_argument":  # p.add_argument("--flag", ...): args.flag read
+            flags = [a.value for a in node.args if isinstance(a, ast.Constant) and a.value.startswith("--")]
+            dest = next((k.value.value for k in node.keywords if k.arg == "dest"), None)
+            if flags and (dest or flags[0][2:].replace("-", "_")) not in read:
+                found.append(f"flag {flags[0]}")
+        if getattr(node.func, "id", None) == "SimpleNamespace":
+            found += [f"field {k.arg}" for k in node.keywords if k.arg not in read]
+    return found
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_deleting_the_measurement_leaves_nothing_unused(script):
+    assert unused(without_the_measurement(script)) == []
+
+
+def test_the_check_finds_an_unused_import_flag_and_field():
+    copy = without_the_measurement("03_ddp_launch.py")
+    planted = copy.replace("import os\n", "import os\nimport json\n", 1)
+    planted = planted.replace('    p.add_argument("--cpu"', '    p.add_argument("--nodes", type=int)\n    p.add_argument("--cpu"', 1)
+    planted = planted.replace("is_main=rank == 0)", "is_main=rank == 0, backend=backend)", 1)
+    assert unused(planted) == ["import json", "flag --nodes", "field backend"]
