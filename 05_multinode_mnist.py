@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision import datasets
 
+
 class Net(nn.Module):
     """The classic PyTorch MNIST CNN (about 1.2 M parameters)."""
 
@@ -194,7 +195,7 @@ def train_epoch(model, train_batches, optimizer, args, world, epoch):
     model.train()
     loss_sum = torch.zeros((), device=world.device)  # float32: MPS has no float64
     for step, (inputs, labels) in enumerate(train_batches):
-        inputs, labels = inputs.to(world.device), labels.to(world.device)  # MNIST's are there
+        inputs, labels = inputs.to(world.device), labels.to(world.device)  # no-op if there already
         optimizer.zero_grad(set_to_none=True)
         output = model(inputs)
         loss = F.cross_entropy(output, labels)

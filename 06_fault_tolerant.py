@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision import datasets
 
+
 class Net(nn.Module):
     """The classic PyTorch MNIST CNN (about 1.2 M parameters)."""
 
@@ -207,7 +208,7 @@ def train_epoch(model, train_batches, optimizer, args, world, epoch, first, so_f
     model.train()
     loss_sum = torch.tensor(so_far, device=world.device)  # 06: float32 (MPS), a resumed epoch's sum
     for step, (inputs, labels) in enumerate(train_batches, first):  # 06: a resumed epoch's numbers
-        inputs, labels = inputs.to(world.device), labels.to(world.device)  # MNIST's are there
+        inputs, labels = inputs.to(world.device), labels.to(world.device)  # no-op if there already
         optimizer.zero_grad(set_to_none=True)
         output = model(inputs)
         loss = F.cross_entropy(output, labels)

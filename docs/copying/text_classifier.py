@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP  # DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+
 class Net(nn.Module):
     """A bag of words: the mean of a row's token embeddings (ids 1-999; 0 pads), 4 classes."""
 
@@ -99,7 +100,7 @@ def setup(args):
 
 
 class CSVText(Dataset):
-    """train.csv or test.csv: rows "label,token ids", space-separated; on the CPU, for the workers."""
+    """Rows "label,token ids" (ids space-separated) of train.csv or test.csv, on the CPU."""
 
     def __init__(self, args, train, device):
         path = os.path.join(args.data_dir, "train.csv" if train else "test.csv")
@@ -156,7 +157,7 @@ def train_epoch(model, train_batches, optimizer, args, world, epoch):
     model.train()
     loss_sum = torch.zeros((), device=world.device)  # float32: MPS has no float64
     for step, (inputs, labels) in enumerate(train_batches):
-        inputs, labels = inputs.to(world.device), labels.to(world.device)  # MNIST's are there
+        inputs, labels = inputs.to(world.device), labels.to(world.device)  # no-op if there already
         optimizer.zero_grad(set_to_none=True)
         output = model(inputs)
         loss = F.cross_entropy(output, labels)

@@ -122,12 +122,12 @@ def uninterrupted(quick_mnist_dir, tmp_path_factory):
 
 
 def assert_same_training(out, uninterrupted):
-    """Bitwise the same weights (the schedule and every rank's RNG resumed too), and the same test results."""
+    """Bitwise the same weights (the schedule and every rank's RNG resumed too), the same test results, and the
+    resumed epoch's training loss that of the whole epoch (each rank's sum so far is in the snapshot)."""
     record, weights = json.loads((out / "metrics.json").read_text()), torch.load(out / "model.pt")
     assert all(torch.equal(weights[k], uninterrupted.weights[k]) for k in uninterrupted.weights), "weights differ"
-    last = uninterrupted.record["epochs_detail"][-1]
-    assert {k: record["epochs_detail"][-1][k] for k in ("epoch", "test_loss", "test_accuracy")} == {
-        k: last[k] for k in ("epoch", "test_loss", "test_accuracy")}
+    keys, last = ("epoch", "train_loss", "test_loss", "test_accuracy"), uninterrupted.record["epochs_detail"][-1]
+    assert {k: record["epochs_detail"][-1][k] for k in keys} == {k: last[k] for k in keys}
 
 
 def test_a_killed_worker_is_restarted_and_training_resumes_exactly(uninterrupted, quick_mnist_dir, tmp_path):

@@ -1,0 +1,226 @@
+"""Run a copied script as the tests run ours, and say which of the suite's guarantees it still keeps.
+
+    python tools/check_copy.py my_train.py                                # a small MNIST made here
+    python tools/check_copy.py my_train.py --data-dir D --test-rows 500   # its own data, and its test rows
+
+The copy is started as its parent is: torchrun (03, 06, 08), --nprocs (04), -n 1 -g N (05), --devices N
+--accelerator cpu (07), or plain python (01, 02); always with --cpu. It keeps the numbered scripts' flags
+--data-dir, --epochs, --batch-size, --test-batch-size, --max-steps, --log-interval, --no-dropout, --cpu and
+--save-model PATH (rank 0 saves the whole state dict), and with snapshots --snapshot and --snapshot-every; it
+shards its training set with torch.utils.data.DistributedSampler and scores its test rows in eval() without
+gradients. tools/copy_hook (on the runs' PYTHONPATH) records each process's sampler orders, the rows it scored
+and the files it wrote; none of the copy's own measurement is needed. Per guarantee it prints `holds` or
+`BROKEN` and what it saw, and exits 0 only if all hold. 09, whose ranks share every batch, is not checked here.
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the bench package, from the repository root
+from bench.commands import TORCHRUN  # noqa: E402
+from bench.fake_mnist import write_fake_mnist  # noqa: E402
+from bench.machine import free_port  # noqa: E402
+from bench.processes import run_processes  # noqa: E402
+
+HOOK = Path(__file__).resolve().parent / "copy_hook"
+BATCH, STEPS, TEST_BATCH = 8, 4, 64  # 4 steps a rank an epoch, 2 epochs
+MNIST_TRAIN, MNIST_TEST = 960, 250  # 250 test rows: 3 ranks cannot split them evenly, so padding shows
+TIMEOUT_S = 600
+SHARDS = "each rank's training shard disjoint from the others' and reshuffled every epoch"
+ROWS = "every test row scored once"
+UPDATE = "the same update at 2 x B (2 processes) as at 1 x 2B (1 process)"
+WRITES = "only rank 0 writes"
+RESUME = "killed in epoch 2 and resumed: bitwise the uninterrupted run, dropout on"
+CHECKS = dict(shards=SHARDS, rows=ROWS, writes=WRITES, update=UPDATE, resume=RESUME)  # --only's names
+FAILED = []  # the logs of the runs that exited non-zero: kept for reading
+
+
+def launch_kind(source):
+    """How the copy starts its processes, as its parent does."""
+    if "import lightning" in source:
+        return "lightning"
+    if "mp.spawn(" in source:
+        return "multinode" if "--node-rank" in source else "spawn"
+    return "torchrun" if "init_process_group" in source else "single"
+
+
+def command(script, kind, n, restarts=0):
+    if kind == "torchrun":
+        return [*TORCHRUN, "--standalone", f"--nproc_per_node={n}", f"--max-restarts={restarts}", script]
+    return [sys.executable, script, *{"spawn": ["--nprocs", n, "--master-port", free_port()],
+                                      "multinode": ["-n", 1, "-g", n, "--master-port", free_port()],
+                                      "lightning": ["--devices", n, "--accelerator", "cpu"]}.get(kind, [])]
+
+
+def run(script, kind, n, args, folder, restarts=0, **env):
+    """(the records of the run's processes, or None if it failed; its output, or why it stopped)."""
+    hook = folder / "hook"
+    hook.mkdir(parents=True)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HOOK), os.environ.get("PYTHONPATH")])),
+           "CHECK_COPY_OUT": str(hook), "OMP_NUM_THREADS": "1", **env}
+    argv = [str(a) for a in [*command(script, kind, n, restarts), *args, "--cpu"]]
+    code, timed_out = run_processes([(env, argv)], [folder / "log.txt"], TIMEOUT_S)
+    log = f"timed out after {TIMEOUT_S} s" if timed_out else (folder / "log.txt").read_text(errors="replace")
+    if code != 0:
+        FAILED.append(folder / "log.txt")
+    records = [json.loads(p.read_text()) for p in sorted(hook.glob("*.json"))]
+    return (records if code == 0 else None), log
+
+
+def last_line(log):
+    """What a failed run said last: its last error line, else its last line that is not torchrun's frame."""
+    lines = [line.strip() for line in log.splitlines() if line.strip(" =-")]
+    errors = [line for line in lines if re.match(r"(error: |\w+(Error|Exception)\b)", line)]
+    return (errors or lines)[-1]
+
+
+def check_shards(records, n):
+    orders = {}  # rank: [the order of each epoch, as asked for] of the shuffling samplers: the training set's
+    for record in records:
+        for s in record["samplers"]:
+            if s["replicas"] == n and s["shuffle"]:
+                orders.setdefault(s["rank"], []).append(s)
+    if sorted(orders) != list(range(n)) or min(len(o) for o in orders.values()) < 2:
+        return False, f"DistributedSamplers of {n} replicas gave two epochs' orders to ranks {sorted(orders)}"
+    length = orders[0][0]["length"]
+    for epoch in range(2):
+        every = [i for r in range(n) for i in orders[r][epoch]["indices"]]
+        padding = len(every) - length  # a training sampler pads to equal shares: at most n - 1 repeats
+        if len(set(every)) != length or not 0 <= padding < n or len(every) - len(set(every)) != padding:
+            return False, f"epoch {epoch + 1}: the {n} shards overlap or miss rows of the {length}"
+    same = [r for r in range(n) if orders[r][0]["indices"] == orders[r][1]["indices"]]
+    if same:
+        return False, (f"rank {same[0]}'s shard is in the same order in epochs 1 and 2 (sampler epoch "
+                       f"{orders[same[0]][1]['epoch']}): no set_epoch?")
+    shards = f"{n} disjoint shards" if n > 1 else "1 shard"
+    return True, f"{shards} of the {length} rows, a new order in epoch 2"
+
+
+def check_rows(records, log, test_rows, evaluations=2):
+    scored = sum(r["eval_rows"] for r in records)
+    if scored != test_rows * evaluations:
+        return False, f"{scored} rows scored in {evaluations} evaluations of {test_rows} rows (padded? dropped?)"
+    counted = [int(c) for c in re.findall(r"of (\d+) test samples", log)]  # 03's message, if kept
+    if any(c != test_rows for c in counted):
+        return False, f"{test_rows} rows scored in each of {evaluations} evaluations, but counted as {counted}"
+    return True, f"{test_rows} rows scored in each of {evaluations} evaluations" + (
+        f", and counted: {test_rows} test samples" if counted else "")
+
+
+def check_writes(records):
+    others = sorted({w["path"] for r in records for w in r["writes"] if w["rank"] != 0})
+    return (False, f"rank != 0 wrote {others[0]}") if others else (True, "only rank 0 wrote")
+
+
+def check_update(script, kind, common, out):
+    if kind == "single":
+        return True, "one process: nothing to compare"
+    paths = {}
+    for n, batch in [(2, BATCH), (1, 2 * BATCH)]:
+        paths[n] = out / f"update-{n}" / "model.pt"
+        records, log = run(script, kind, n, [*common, "--epochs", 1, "--no-dropout", "--batch-size", batch,
+                                             "--save-model", paths[n]], paths[n].parent)
+        if records is None:
+            return False, f"the run at {n} x {batch} failed: {last_line(log)}"
+    a, b = (torch.load(paths[n], map_location="cpu") for n in (2, 1))
+    far = max((a[k].float() - b[k].float()).abs().max().item() for k in a) if a.keys() == b.keys() else float("inf")
+    return far < 1e-4, f"the weights differ by at most {far:.1e}"
+
+
+def check_resume(script, kind, args, out):
+    """2 epochs uninterrupted, and the same killed: rank 1 dies at its training forward STEPS + 4 (epoch 2, step
+    3, a step after the snapshot at step 2), torchrun restarts both ranks once, and they resume. At 2 ranks: at 3
+    or more a fresh DDP's first step sums the gradients in another order than the uninterrupted run's (DDP
+    rebuilds its buckets after its first step; gloo's ring then adds the ranks' parts in another order)."""
+    paths = {}
+    for name, restarts, env in [("uninterrupted", 0, {}),
+                                ("killed", 1, dict(CHECK_COPY_KILL_AT=str(STEPS + 4), CHECK_COPY_KILL_RANK="1"))]:
+        paths[name] = out / name / "model.pt"
+        records, log = run(script, kind, 2, [*args, "--snapshot", out / name / "s.pt", "--save-model", paths[name]],
+                           out / name, restarts, **env)
+        if records is None:
+            return False, f"the {name} run failed{' under --max-restarts 1' if restarts else ''}: {last_line(log)}"
+    if not any(r["restart"] == "1" for r in records):
+        return False, "no restart happened (was rank 1 killed?)"
+    a, b = (torch.load(paths[name], map_location="cpu") for name in ("uninterrupted", "killed"))
+    differ = [k for k in a if k not in b or not torch.equal(a[k], b[k])]
+    if differ:
+        far = max((a[k].float() - b[k].float()).abs().max().item() if k in b else float("inf") for k in differ)
+        return False, f"{len(differ)} of {len(a)} tensors differ from the uninterrupted run's, by up to {far:.1e}"
+    return True, f"restarted by torchrun, resumed: all {len(a)} tensors equal to the uninterrupted run's"
+
+
+def check(script, kind, data_args, test_rows, out, only=CHECKS):
+    """[(guarantee, held, what was seen)] for the script, its runs in folders under out; only: which checks."""
+    source = script.read_text()
+    n = 1 if kind == "single" else 3
+    common = [*data_args, "--max-steps", STEPS, "--test-batch-size", TEST_BATCH, "--log-interval", 0]
+    args = [*common, "--epochs", 2, "--batch-size", BATCH]
+    snapshots = ["--snapshot-every", 2] if "--snapshot" in source else []  # and each run its --snapshot
+    results = []
+    if {"shards", "rows", "writes"} & set(only):  # all three from one run at 3 ranks (1 for a one-process copy)
+        whole = out / "whole"
+        records, log = run(script, kind, n, [*args, "--save-model", whole / "model.pt",
+                                             *(snapshots and [*snapshots, "--snapshot", whole / "s.pt"])], whole)
+        if records is None:
+            return [("it runs", False, last_line(log))]
+        seen = dict(shards=lambda: check_shards(records, n), rows=lambda: check_rows(records, log, test_rows),
+                    writes=lambda: check_writes(records))
+        results += [(CHECKS[key], *seen[key]()) for key in seen if key in only]
+    if "update" in only:
+        results.append((UPDATE, *check_update(script, kind, common, out)))
+    if "resume" in only and snapshots:
+        results.append((RESUME, *check_resume(script, kind, [*args, *snapshots], out)))
+    return results
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("scripts", nargs="+", type=Path)
+    p.add_argument("--data-dir", type=Path, help="the copy's own data (default: a small MNIST made here)")
+    p.add_argument("--test-rows", type=int, help="how many test rows the data in --data-dir has")
+    p.add_argument("--only", type=lambda text: text.split(","), default=list(CHECKS),
+                   help=f"some of the checks, comma-separated: {','.join(CHECKS)} (resume: with --snapshot)")
+    p.add_argument("--keep", type=Path, help="keep the runs' folders (logs, hook records, weights) here")
+    args = p.parse_args(argv)
+    if set(args.only) - set(CHECKS):
+        sys.exit(f"error: --only takes {','.join(CHECKS)}, not {','.join(set(args.only) - set(CHECKS))}")
+    if (args.data_dir is None) != (args.test_rows is None):
+        sys.exit("error: give --data-dir and --test-rows together")
+    for script in args.scripts:
+        if not script.is_file():
+            sys.exit(f"error: {script}: no such file")
+    work = Path(tempfile.mkdtemp(prefix="check_copy-"))
+    try:
+        if args.data_dir is None:
+            data_dir, test_rows = Path(write_fake_mnist(str(work / "mnist"), MNIST_TRAIN, MNIST_TEST)), MNIST_TEST
+        else:
+            data_dir, test_rows = args.data_dir.resolve(), args.test_rows
+        failed = False
+        for i, script in enumerate(args.scripts):
+            kind = launch_kind(script.read_text())
+            print(f"{script} ({kind}):", flush=True)
+            for guarantee, held, seen in check(script.resolve(), kind, ["--data-dir", data_dir], test_rows,
+                                               work / f"{i}-{script.stem}", args.only):
+                print(f"  {'holds ' if held else 'BROKEN'}  {guarantee}: {seen}", flush=True)
+                failed |= not held
+        if args.keep:
+            shutil.copytree(work, args.keep, dirs_exist_ok=True)
+    finally:
+        if FAILED:
+            print("the failed runs' logs, kept:", *FAILED, sep="\n  ", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
