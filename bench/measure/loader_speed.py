@@ -18,10 +18,9 @@ from bench.family import load_script
 REQUIRED_RATIO = 50  # loader samples/s over training samples/s
 
 
-def loader_pass(m01, data, sampler, epoch, batch_size, device, warmup):
-    sampler.set_epoch(epoch)
+def loader_pass(m01, training, epoch, device, warmup):
     samples, t0 = 0, None
-    for i, (images, labels) in enumerate(m01.batches(data, list(sampler), batch_size)):
+    for i, (inputs, labels) in enumerate(training(epoch)):
         if i == warmup:
             t0 = m01.clock(device)
         samples += len(labels) if i >= warmup else 0
@@ -41,13 +40,13 @@ def main(argv=None):
     a = m01.parse_args(["--batch-size", str(args.batch_size), "--data-dir", args.data_dir]
                        + ["--synthetic"] * args.synthetic + ["--cpu"] * args.cpu)  # what a run of 01 sees
     device = m01.setup(a).device  # 01's device, and its threads
-    data = [t.to(device) for t in m01.load_mnist(a, train=True)]  # as 01's run() does
-    sampler = m01.DistributedSampler(range(len(data[1])), num_replicas=1, rank=0, seed=a.seed)
-    warmup = min(m01.WARMUP_STEPS, len(sampler) // a.batch_size - 1)  # the same warm-up as 01's training
-    speeds = [loader_pass(m01, data, sampler, e, a.batch_size, device, warmup) for e in range(1, args.passes + 1)]
+    training, _ = m01.load_data(a, 0, 1, device)  # as 01's run() does
+    steps = len(training(1))
+    warmup = min(m01.WARMUP_STEPS, steps - 1)  # the same warm-up as 01's training
+    speeds = [loader_pass(m01, training, e, device, warmup) for e in range(1, args.passes + 1)]
     result = dict(loader_samples_per_s=statistics.median(speeds), loader_passes_samples_per_s=speeds,
                   required_ratio=REQUIRED_RATIO, device=str(device), threads=m01.torch.get_num_threads(),
-                  batch_size=a.batch_size, train_samples=len(sampler), warmup_batches=warmup, synthetic=a.synthetic,
+                  batch_size=a.batch_size, train_samples=steps * a.batch_size, warmup_batches=warmup, synthetic=a.synthetic,
                   argv=sys.argv)
     print(f"loader alone: {result['loader_samples_per_s']:,.0f} samples/s on {device} (batch {a.batch_size}, median "
           f"of {args.passes} epochs); the suite needs at least {REQUIRED_RATIO} x 01's samples/s", flush=True)
