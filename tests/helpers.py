@@ -5,7 +5,6 @@ import ast
 import importlib.util
 import json
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -208,15 +207,11 @@ def run_two_nodes(*args, gpus=1, timeout=180, env=None):
     return node0
 
 
-MEASURE_MARK = re.compile(r"#\s*measure\b")
-
-
 def without_the_measurement(script):
-    """The script's text as a copier leaves it who deletes the fenced block and the lines marked '# measure'."""
-    source = (ROOT / script).read_text()
-    fence, entry = source.index("# ---- Measurement"), source.index('if __name__ == "__main__":')
-    lines = [line for line in (source[:fence] + source[entry:]).splitlines() if not MEASURE_MARK.search(line)]
-    assert len(lines) < len(source.splitlines()) - 20
+    """The script's text as a copier leaves it who deletes the fenced block and the lines marked '# measure' (the
+    deletion tools/copy_size.py counts copies against)."""
+    lines = load_script("tools/copy_size.py").without_measurement((ROOT / script).read_text())
+    assert len(lines) < len((ROOT / script).read_text().splitlines()) - 20
     return "\n".join(lines) + "\n"
 
 
