@@ -74,7 +74,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
                                 exit_on_error=False)
     p.add_argument("--data-dir", default="data", help="torchvision's MNIST (downloaded if missing)")
-    p.add_argument("--synthetic", action="store_true", help="random MNIST-shaped data (throughput)")
+    p.add_argument("--synthetic", action="store_true", help="random data: speed only")  # measure
     p.add_argument("--epochs", type=in_range(1), default=1)
     p.add_argument("--batch-size", type=in_range(1), default=64, help="batch of this process")
     p.add_argument("--test-batch-size", type=in_range(1), default=1000)
@@ -134,21 +134,17 @@ class MNIST(Dataset):
     """One split of MNIST, normalised once and kept on the device: no input pipeline to time."""
 
     def __init__(self, args, train, device):
-        if args.synthetic:
-            rng = torch.Generator().manual_seed(args.seed + train)
-            n = 60000 if train else 10000
-            images = torch.randn(n, 1, 28, 28, generator=rng)
-            labels = torch.randint(0, 10, (n,), generator=rng)
-        else:
-            try:
-                mnist = datasets.MNIST(args.data_dir, train=train, download=True)
-            except Exception as e:
-                sys.exit(f"error: MNIST could not be loaded from {args.data_dir} "
-                         f"({str(e)[-150:]!r}); a corrupt file: delete it; offline: copy the raw "
-                         f"files into {args.data_dir}/MNIST/raw/, or use --synthetic")
-            images = (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081  # MNIST's mean and std
-            labels = mnist.targets
-        self.images, self.labels = images.to(device), labels.to(device)  # 188 MB: fits any GPU
+        if args.synthetic:  # measure
+            self.images, self.labels = random_mnist(args.seed + train, train, device)  # measure
+            return  # measure
+        try:
+            mnist = datasets.MNIST(args.data_dir, train=train, download=True)
+        except Exception as e:
+            sys.exit(f"error: MNIST could not be loaded from {args.data_dir} ({str(e)[-150:]!r}); "
+                     f"a corrupt file: delete it; offline: copy the raw files into "
+                     f"{args.data_dir}/MNIST/raw/, or try --synthetic")
+        images = (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081  # MNIST's mean and std
+        self.images, self.labels = images.to(device), mnist.targets.to(device)  # fits any GPU
 
     def __len__(self):
         return len(self.labels)
@@ -271,6 +267,14 @@ MODE = "ddp_multinode"  # multinode
 WARMUP_STEPS = 5  # left out of samples_per_s: the first steps pay for allocation and kernel choice
 
 
+def random_mnist(seed, train, device):
+    """--synthetic: random data of MNIST's shapes and sizes, to time without a download."""
+    rng = torch.Generator().manual_seed(seed)
+    n = 60000 if train else 10000
+    images = torch.randn(n, 1, 28, 28, generator=rng)
+    return images.to(device), torch.randint(0, 10, (n,), generator=rng).to(device)
+
+
 def clock(device):
     """Seconds, read once the device has done its work: GPU work is queued, not yet done."""
     if device.type != "cpu":
@@ -308,25 +312,20 @@ def write_record(path, args, world, epochs):
     totals = {key: sum(e[key] for e in epochs)
               for key in ["steps", "train_samples", "steady_samples", "steady_time_s"]}
     record = dict(
-        schema=1, script=os.path.basename(__file__), mode=MODE,
-        device_type=device.type,
+        schema=1, script=os.path.basename(__file__), mode=MODE, device_type=device.type,
         device_names=[torch.cuda.get_device_name() if device.type == "cuda" else device.type],
         world_size=world.world_size, backend=dist.get_backend(),  # DDP
         nodes=world.world_size // int(os.environ["LOCAL_WORLD_SIZE"]),  # DDP: as torchrun counts
         threads=torch.get_num_threads(),
         per_device_batch=args.batch_size,
         global_batch=args.batch_size * world.world_size,
-        lr=args.lr,
-        epochs=len(epochs),
+        lr=args.lr, epochs=len(epochs),
         **totals,
         samples_per_s=totals["steady_samples"] / totals["steady_time_s"],
         epochs_detail=epochs,
-        test_accuracy=epochs[-1]["test_accuracy"],
-        test_loss=epochs[-1]["test_loss"],
+        test_accuracy=epochs[-1]["test_accuracy"], test_loss=epochs[-1]["test_loss"],
         peak_memory_bytes=epochs[-1]["peak_memory_bytes"],  # the peak since training began
-        synthetic=args.synthetic,
-        torch_version=torch.__version__,
-        argv=sys.argv,
+        synthetic=args.synthetic, torch_version=torch.__version__, argv=sys.argv,
     )
     note = " (synthetic data: the accuracy means nothing)" if args.synthetic else ""
     print(f"{MODE}: {record['samples_per_s']:.0f} samples/s, world size {world.world_size}, "

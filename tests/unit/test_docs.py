@@ -37,11 +37,12 @@ README_LINES = 350
 # A learner's order: the words, why DDP, the scripts, the reader's machine, the errors, the posts, the benchmark,
 # then the way on. Each a prefix of a heading.
 SECTIONS = ["Words you will meet", "Why DDP", "Set-up", "The scripts", "Running on the machine you have",
-            "Common errors", "Coming from the blog posts", "Benchmark your machine", "Under SLURM", "Copying",
+            "Common errors", "Coming from the blog posts", "Benchmark your machine", "Several machines", "Copying",
             "The way on"]
 # Words a learner meets, each defined in "Words you will meet" (as *word*) before the README uses it anywhere else.
 WORDS = ["rank", "world size", "local rank", "node rank", "collective", "broadcast", "all-reduce", "barrier",
-         "backend", "process group", "store", "rendezvous", "launcher", "bucket", "global batch", "replica"]
+         "backend", "process group", "store", "rendezvous", "launcher", "bucket", "global batch", "replica",
+         "scatter", "gather", "replicate", "step", "epoch", "shard"]
 
 
 def metrics_writes(script):
