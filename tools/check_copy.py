@@ -158,13 +158,17 @@ def check_resume(script, kind, args, out):
     return True, f"restarted by torchrun, resumed: all {len(a)} tensors equal to the uninterrupted run's"
 
 
+def takes_snapshots(source):
+    return "--snapshot" in source
+
+
 def check(script, kind, data_args, test_rows, out, only=CHECKS):
     """[(guarantee, held, what was seen)] for the script, its runs in folders under out; only: which checks."""
     source = script.read_text()
     n = 1 if kind == "single" else 3
     common = [*data_args, "--max-steps", STEPS, "--test-batch-size", TEST_BATCH, "--log-interval", 0]
     args = [*common, "--epochs", 2, "--batch-size", BATCH]
-    snapshots = ["--snapshot-every", 2] if "--snapshot" in source else []  # and each run its --snapshot
+    snapshots = ["--snapshot-every", 2] if takes_snapshots(source) else []  # and each run its --snapshot
     results = []
     if {"shards", "rows", "writes"} & set(only):  # all three from one run at 3 ranks (1 for a one-process copy)
         whole = out / "whole"
@@ -212,6 +216,8 @@ def main(argv=None):
                                                work / f"{i}-{script.stem}", args.only):
                 print(f"  {'holds ' if held else 'BROKEN'}  {guarantee}: {seen}", flush=True)
                 failed |= not held
+            if "resume" in args.only and not takes_snapshots(script.read_text()):
+                print(f"  n/a     {RESUME}: it takes no --snapshot, so it has nothing to resume", flush=True)
         if args.keep:
             shutil.copytree(work, args.keep, dirs_exist_ok=True)
     finally:
