@@ -96,8 +96,8 @@ def setup(args):
     gpus = [str(i) for i in range(torch.cuda.device_count() if device.type == "cuda" else 0)]  # DP
     ids = args.gpus.split(",") if args.gpus else gpus
     if not set(ids) <= set(gpus) or len(set(ids)) < len(ids):
-        sys.exit(f"error: --gpus {args.gpus}: this machine has {len(gpus)} CUDA GPU(s): give distinct ids "
-                 "among them, or leave --gpus out")  # DP
+        sys.exit(f"error: --gpus {args.gpus}: this machine has {len(gpus)} CUDA GPU(s): give "
+                 "distinct ids among them, or leave --gpus out")  # DP
     devices = [torch.device("cuda", int(i)) for i in ids] or [device]  # DP: one replica on each
     if device.type != "cuda":  # DP: it splits batches over CUDA GPUs only
         print(f"DataParallel needs CUDA GPUs: one replica on the {device.type}", file=sys.stderr)
