@@ -42,6 +42,9 @@ def stop(procs, grace=KILL_GRACE_S):
         deadline = time.monotonic() + grace
         while sig == signal.SIGTERM and any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             time.sleep(0.1)
+    for p in procs:  # SIGKILL is sent, not done: reap each, so that its exit code is read and it is gone from /proc
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=grace)
 
 
 def run_processes(cmds, log_paths, timeout, grace=KILL_GRACE_S):

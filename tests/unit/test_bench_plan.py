@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 import time
 import uuid
@@ -348,6 +349,13 @@ def test_every_number_flag_of_the_harness_and_the_doctor_is_refused_out_of_range
             with pytest.raises(flags.BadArgument, match=f"^argument {flag}: (must be|expected)"):
                 program.parse_args([flag, bad])
         assert program.parse_args([flag, str(low)]) is not None  # the bound itself is taken
+
+
+def test_a_run_deaf_to_sigterm_is_killed_and_reaped_before_run_processes_returns(tmp_path):
+    """Its exit code is read and it is gone, not still dying while the caller looks for leftovers."""
+    deaf = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"]
+    code, timed_out = run_processes([({}, deaf)], [tmp_path / "run.log"], timeout=1, grace=0.5)
+    assert timed_out and code == -signal.SIGKILL, (code, timed_out)
 
 
 def test_a_run_past_its_timeout_is_stopped_with_every_process_of_its_group(tmp_path):
