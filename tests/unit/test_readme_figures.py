@@ -5,6 +5,7 @@ whose source is named (a paper, PyTorch's defaults, arithmetic), so a figure can
 import csv
 import json
 import re
+from statistics import mean
 
 import pytest
 
@@ -59,10 +60,10 @@ def measured(cpu_dir=CPU):
     single, fsdp, ddp = cpu["single", 1], cpu["fsdp", 2], cpu["ddp_launch", 2]
     pairs = [v for (mode, n), v in cpu.items() if n == 2 and mode != "fsdp"]  # the DDP modes of two processes
     ratios = [v / single for v in pairs]
-    fsdp_record = record(cpu_dir / "metrics" / "fsdp-n2-b64-r1.json")
-    records = [record(path) for path in sorted((cpu_dir / "metrics").glob("*.json"))]
+    records = {path.stem: record(path) for path in sorted((cpu_dir / "metrics").glob("*.json"))}
+    fsdp_record = records["fsdp-n2-b64-r1"]
     target_epoch = max(next(i for i, e in enumerate(r["epochs_detail"], 1) if e["test_accuracy"] >= 0.98)
-                       for r in records)
+                       for r in records.values())
     duration = re.search(r"UTC \((\d+ min \d+ s)\)", (cpu_dir / "ABOUT.md").read_text())[1]
     gpu = {key: float(row["samples_per_s"]) for key, row in rows(H200 / "summary.csv").items()}
     gpu_01 = [gpu["single", 1]] + [record(H200 / p)["samples_per_s"] for p in
@@ -72,7 +73,6 @@ def measured(cpu_dir=CPU):
                            for name in ("fp32", "amp", "compile"))
     cpu_fp32, cpu_amp, cpu_compile = ([record(PIPELINE / f"{name}-{i}.json")["samples_per_s"] for i in (1, 2)]
                                       for name in ("fp32", "amp", "compile"))
-    mean = lambda values: sum(values) / len(values)  # noqa: E731
     return [
         f"those 200 steps of 64 images were {200 * 64 / first_run_speed('01_single_gpu'):.0f} s of training at "
         f"{first_run_speed('01_single_gpu')} samples/s",
