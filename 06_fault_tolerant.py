@@ -72,7 +72,7 @@ def parse_args(argv=None):
     """The flags, each checked as it is read: a bad value must not cost a run."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
                                 exit_on_error=False)
-    p.add_argument("--data-dir", default="data", help="torchvision's MNIST (downloaded if missing)")
+    p.add_argument("--data-dir", default="data", help="the data's folder")
     p.add_argument("--synthetic", action="store_true", help="random data: speed only")  # measure
     p.add_argument("--epochs", type=in_range(1), default=1)
     p.add_argument("--batch-size", type=in_range(1), default=64, help="batch of this process")
@@ -144,7 +144,7 @@ def setup(args):
 
 
 class MNIST(Dataset):
-    """One split of MNIST, normalised once and kept on the device: no input pipeline to time."""
+    """One split of MNIST (fetched if missing), kept on the device: no input pipeline to time."""
 
     def __init__(self, args, train, device):
         if args.synthetic:  # measure
@@ -153,9 +153,9 @@ class MNIST(Dataset):
         try:
             mnist = datasets.MNIST(args.data_dir, train=train, download=True)
         except Exception as e:
-            sys.exit(f"error: MNIST could not be loaded from {args.data_dir} ({str(e)[-150:]!r}); "
-                     f"a corrupt file: delete it; offline: copy the raw files into "
-                     f"{args.data_dir}/MNIST/raw/, or try --synthetic")
+            cause = (str(e).strip() or type(e).__name__).splitlines()[-1]  # last line: the cause
+            sys.exit(f"error: cannot load MNIST from {args.data_dir} ({cause}); a corrupt file: "
+                     f"delete it; offline: copy the raw files into {args.data_dir}/MNIST/raw/")
         images = (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081  # MNIST's mean and std
         self.images, self.labels = images.to(device), mnist.targets.to(device)  # fits any GPU
 
@@ -168,8 +168,8 @@ class MNIST(Dataset):
 
 
 def collate(batch):
-    """The DataLoader's collate_fn: MNIST's __getitems__ made the batch already."""
-    return batch
+    """The DataLoader's collate_fn: the rows the Dataset gave, as one batch (inputs, labels)."""
+    return batch  # MNIST's __getitems__ made it already
 
 
 def batches(dataset, rows, batch_size, seed):

@@ -54,7 +54,7 @@ def parse_args(argv=None):
     """The flags, each checked as it is read: a bad value must not cost a run."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
                                 exit_on_error=False)
-    p.add_argument("--data-dir", default="data", help="train.csv and test.csv")
+    p.add_argument("--data-dir", default="data", help="the data's folder")
     p.add_argument("--epochs", type=in_range(1), default=1)
     p.add_argument("--batch-size", type=in_range(1), default=64, help="batch of this process")
     p.add_argument("--test-batch-size", type=in_range(1), default=1000)
@@ -120,9 +120,9 @@ class CSVText(Dataset):
 
 
 def collate(batch):
-    """The DataLoader's collate_fn: the rows' ids padded with 0 to the longest, and their labels."""
+    """The DataLoader's collate_fn: the rows the Dataset gave, as one batch (inputs, labels)."""
     tokens, labels = zip(*batch)
-    return nn.utils.rnn.pad_sequence(tokens, batch_first=True), torch.tensor(labels)
+    return nn.utils.rnn.pad_sequence(tokens, batch_first=True), torch.tensor(labels)  # ids 0-padded
 
 
 def batches(dataset, rows, batch_size, seed):

@@ -28,9 +28,9 @@ CASES = {
     "batch larger than the data": ("02_data_parallel.py", ["--batch-size", "100000"], "more than the", None),
     "gpu ids do not parse": ("02_data_parallel.py", ["--gpus", "a,b"], "--gpus a,b", None),
     "gpu id does not exist": ("02_data_parallel.py", ["--gpus", "99"], "--gpus 99", None),
-    "data missing": ("01_single_gpu.py", [], "--synthetic", "empty"),
-    "truncated file": ("01_single_gpu.py", [], "could not be loaded", corrupt("t10k-images-idx3-ubyte", "truncate")),
-    "corrupt file": ("01_single_gpu.py", [], "could not be loaded", corrupt("train-labels-idx1-ubyte", "magic")),
+    "data missing": ("01_single_gpu.py", [], "MNIST/raw/", "empty"),
+    "truncated file": ("01_single_gpu.py", [], "cannot load MNIST", corrupt("t10k-images-idx3-ubyte", "truncate")),
+    "corrupt file": ("01_single_gpu.py", [], "cannot load MNIST", corrupt("train-labels-idx1-ubyte", "magic")),
     "corrupt snapshot": ("06_fault_tolerant.py", ["--snapshot", "{tmp}/snapshot.pt"], "could not be loaded",
                          lambda tmp_path: (tmp_path / "snapshot.pt").write_bytes(b"not a snapshot")),
 }

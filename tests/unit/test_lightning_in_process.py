@@ -69,7 +69,7 @@ BAD = {
     "devices unlike torchrun's": ([], "give --devices 2 --num-nodes 1",
                                   {"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "RANK": "0"}),
     "batch larger than the data": (["--batch-size", "5000"], "more than the 4096 samples", {}),
-    "data missing": (["--data-dir", "{tmp}/nothing-here"], "--synthetic", NO_NETWORK),
+    "data missing": (["--data-dir", "{tmp}/nothing-here"], "MNIST/raw/", NO_NETWORK),
     "metrics folder missing": (["--metrics-json", "{tmp}/missing/m.json"], "cannot write", {}),
 }
 

@@ -2,10 +2,11 @@
 keeps a script with nothing left over: no import, constant, flag or field of the world that only the measurement
 used. (That the rest still trains: tests/integration/test_trainers.py.)"""
 import ast
+import re
 
 import pytest
 
-from helpers import SCRIPTS, without_the_measurement
+from helpers import ROOT, SCRIPTS, without_the_measurement
 
 
 def unused(source):
@@ -34,6 +35,20 @@ def unused(source):
     return found
 
 
+def flags(source):
+    """The flags source's parsers take."""
+    calls = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)]
+    return {a.value for n in calls if getattr(n.func, "attr", None) == "add_argument" for a in n.args
+            if isinstance(a, ast.Constant) and str(a.value).startswith("--")}
+
+
+def dead_mentions(script, left):
+    """The flags the deletion took out of script that left still names (a usage line, an error message)."""
+    gone = flags((ROOT / script).read_text()) - flags(left)
+    assert gone, "the deletion took no flag: nothing to look for"
+    return sorted(flag for flag in gone if re.search(rf"{flag}\b", left))
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_deleting_the_measurement_leaves_nothing_unused(script):
     assert unused(without_the_measurement(script)) == []
@@ -45,3 +60,13 @@ def test_the_check_finds_an_unused_import_flag_and_field():
     planted = planted.replace('    p.add_argument("--cpu"', '    p.add_argument("--nodes", type=int)\n    p.add_argument("--cpu"', 1)
     planted = planted.replace("is_main=rank == 0)", "is_main=rank == 0, backend=backend)", 1)
     assert unused(planted) == ["import json", "flag --nodes", "field backend"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_deleting_the_measurement_leaves_no_mention_of_a_flag_it_took(script):
+    assert dead_mentions(script, without_the_measurement(script)) == []
+
+
+def test_the_check_finds_a_message_naming_a_deleted_flag():
+    planted = without_the_measurement("03_ddp_launch.py").replace("/MNIST/raw/", "/MNIST/raw/, or try --synthetic")
+    assert dead_mentions("03_ddp_launch.py", planted) == ["--synthetic"]
