@@ -227,8 +227,11 @@ def test_each_rank_draws_its_own_dropout_masks(quick_mnist_dir, tmp_path):
     step = "        loss = F.cross_entropy(output, labels)\n"
     source = (ROOT / "03_ddp_launch.py").read_text()
     assert source.count(step) == 1
-    copy.write_text(source.replace(step, step + '        print("next draw", world.rank, torch.rand(1).item())\n'))
+    # One write of the whole line: the tests' PYTHONUNBUFFERED makes print write each argument on its own, and
+    # two ranks' arguments could interleave; one write (under PIPE_BUF) cannot be split, only placed anywhere.
+    draw = '        print(f"next draw {world.rank} {torch.rand(1).item()} end")\n'
+    copy.write_text(source.replace(step, step + draw))
     result = run([*TORCHRUN, "--standalone", "--nproc_per_node=2", copy, "--data-dir", quick_mnist_dir,
                   "--max-steps", "1", "--log-interval", "0"])
-    draws = dict(re.findall(r"next draw (\d) (\S+?)(?=next|\s|$)", result.stdout))  # two ranks' lines may meet
+    draws = dict(re.findall(r"next draw (\d) (\S+) end", result.stdout))
     assert draws.keys() == {"0", "1"} and draws["0"] != draws["1"], result.stdout
