@@ -273,7 +273,7 @@ def resume(path, world, net, optimizer, scheduler, layout):  # 06
                  "must be on a path every node sees")
     if seen is None:
         return 1, 0, 0.0
-    if seen[2] != layout:  # with another batch size, seed or world size a step has other images
+    if seen[2] != layout:  # with another batch size, seed or world size a step has other samples
         sys.exit(f"error: snapshot {path} is from {seen[2]}, not {layout}: match it or move it")
     dist.broadcast_object_list(sent := [state], src=0)  # all resume what rank 0 read: one state
     state = sent[0]
@@ -292,7 +292,7 @@ def resume(path, world, net, optimizer, scheduler, layout):  # 06
 def run(args, world):
     torch.manual_seed(args.seed + world.rank)  # DDP: its own dropout; DDP copies rank 0's weights
     if world.local_rank != 0:
-        dist.barrier()  # DDP: one process per machine downloads; the others wait, then read it
+        dist.barrier()  # DDP: one process per machine makes the files (MNIST: a download) first
     training, testing, steps = load_data(args, world.rank, world.world_size, world.device)  # 06
     if world.local_rank == 0:
         dist.barrier()  # DDP: the files are there
@@ -301,7 +301,7 @@ def run(args, world):
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     layout = (f"world size {world.world_size}, --batch-size {args.batch_size}, --seed {args.seed}, "
-              f"{steps} steps an epoch")  # 06: which images each step of each rank takes
+              f"{steps} steps an epoch")  # 06: which samples each step of each rank takes
     def save(epoch, step, loss=0.0):  # 06: an epoch's end is saved after its test as epoch + 1
         if args.snapshot and step < steps:  # loss: this rank's sum over the epoch's steps so far
             save_snapshot(args.snapshot, world, net, optimizer, scheduler, epoch, step, layout,

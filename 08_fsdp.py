@@ -222,7 +222,7 @@ def evaluate(net, test_batches, world):
 def run(args, world):
     torch.manual_seed(args.seed)  # FSDP: the same weights on all ranks (fully_shard copies none)
     if world.local_rank != 0:
-        dist.barrier()  # DDP: one process per machine downloads; the others wait, then read it
+        dist.barrier()  # DDP: one process per machine makes the files (MNIST: a download) first
     training, testing = load_data(args, world.rank, world.world_size, world.device)
     if world.local_rank == 0:
         dist.barrier()  # DDP: the files are there

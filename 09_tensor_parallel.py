@@ -219,7 +219,7 @@ def evaluate(net, test_batches, world):
 def run(args, world):
     torch.manual_seed(args.seed)  # TP: on every rank the same weights and the same dropout masks
     if world.local_rank != 0:
-        dist.barrier()  # DDP: one process per machine downloads; the others wait, then read it
+        dist.barrier()  # DDP: one process per machine makes the files (MNIST: a download) first
     training, testing = load_data(args, 0, 1, world.device)  # TP: 01's batches, on every rank
     if world.local_rank == 0:
         dist.barrier()  # DDP: the files are there

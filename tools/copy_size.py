@@ -1,7 +1,7 @@
 """How many lines a copy changes: its diff against the parent script once the copier's deletions are made.
 
     python tools/copy_size.py docs/copying/text_classifier.py 03_ddp_launch.py
-    python tools/copy_size.py MY_COPY.py 06_fault_tolerant.py --diff   # and the changed lines themselves
+    python tools/copy_size.py MY_COPY.py 06_fault_tolerant.py --diff   # and the changed lines, where they are
 
 The parent loses what docs/copying.md says a copier may delete: the measurement block (from the line
 `# ---- Measurement` down to, not including, `if __name__`) and every line marked `# measure`. The count is
@@ -29,18 +29,19 @@ def without_measurement(text):
     return kept
 
 
-def changed(parent_lines, copy_lines):
-    """The - and + lines of diff -U0 (difflib without autojunk: it would take frequent lines, blank ones, for
-    junk and report more changes than diff)."""
-    out = []
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, parent_lines, copy_lines, autojunk=False).get_opcodes():
+def hunks(parent_lines, copy_lines):
+    """diff -U0's hunks: (its header with the 1-based line numbers, its - and + lines). difflib without autojunk:
+    it would take frequent lines, blank ones, for junk and report more changes than diff."""
+    matcher = difflib.SequenceMatcher(None, parent_lines, copy_lines, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
         if tag != "equal":
-            out += [f"-{line}" for line in parent_lines[i1:i2]] + [f"+{line}" for line in copy_lines[j1:j2]]
-    return out
+            # as diff numbers them: an empty side by the line before it
+            yield (f"@@ -{i1 + (i2 > i1)},{i2 - i1} +{j1 + (j2 > j1)},{j2 - j1} @@",
+                   [f"-{line}" for line in parent_lines[i1:i2]] + [f"+{line}" for line in copy_lines[j1:j2]])
 
 
-def copy_size(copy, parent):
-    return changed(without_measurement(Path(parent).read_text()), Path(copy).read_text().splitlines())
+def copy_hunks(copy, parent):
+    return list(hunks(without_measurement(Path(parent).read_text()), Path(copy).read_text().splitlines()))
 
 
 def main(argv=None):
@@ -52,9 +53,10 @@ def main(argv=None):
     for path in (args.copy, args.parent):
         if not path.is_file():
             sys.exit(f"error: {path}: no such file")
-    lines = copy_size(args.copy, args.parent)
-    if args.diff:
-        print("\n".join(lines))
+    found = copy_hunks(args.copy, args.parent)
+    if args.diff:  # the parent's numbers are those of its lines once the measurement is deleted
+        print("\n".join(line for header, changes in found for line in [header, *changes]))
+    lines = [line for _, changes in found for line in changes]
     print(f"{args.copy.name}: {len(lines)} changed lines against {args.parent.name} without its measurement "
           f"({sum(line[0] == '-' for line in lines)} -, {sum(line[0] == '+' for line in lines)} +)")
 

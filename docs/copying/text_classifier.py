@@ -192,7 +192,7 @@ def evaluate(net, test_batches, world):
 def run(args, world):
     torch.manual_seed(args.seed + world.rank)  # DDP: its own dropout; DDP copies rank 0's weights
     if world.local_rank != 0:
-        dist.barrier()  # DDP: one process per machine downloads; the others wait, then read it
+        dist.barrier()  # DDP: one process per machine makes the files (MNIST: a download) first
     training, testing = load_data(args, world.rank, world.world_size, world.device)
     if world.local_rank == 0:
         dist.barrier()  # DDP: the files are there
