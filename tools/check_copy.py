@@ -10,7 +10,7 @@ The copy is started as its parent is: torchrun (03, 06, 08), --nprocs (04), -n 1
 shards its training set with torch.utils.data.DistributedSampler and scores its test rows in eval() without
 gradients. tools/copy_hook (on the runs' PYTHONPATH) records each process's sampler orders, the rows it scored
 and the files it wrote; none of the copy's own measurement is needed. Per guarantee it prints `holds` or
-`BROKEN` and what it saw, and exits 0 only if all hold. 09, whose ranks share every batch, is not checked here.
+`BROKEN` and what it saw, and exits 0 only if all hold. 09, whose ranks share every batch, is refused in one line.
 """
 import argparse
 import json
@@ -202,6 +202,9 @@ def main(argv=None):
     for script in args.scripts:
         if not script.is_file():
             sys.exit(f"error: {script}: no such file")
+        if "parallelize_module(" in script.read_text():  # refused before any run: no verdict to misread
+            sys.exit(f"error: {script} is tensor parallel: its ranks share every batch, and the checks here "
+                     "are data parallel's")
     work = Path(tempfile.mkdtemp(prefix="check_copy-"))
     try:
         if args.data_dir is None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, run
+from helpers import ROOT, assert_fails_clearly, run
 
 CHECKER, COPY_SIZE = ROOT / "tools" / "check_copy.py", ROOT / "tools" / "copy_size.py"
 COPY_03, COPY_06 = ROOT / "docs" / "copying" / "text_classifier.py", ROOT / "docs" / "copying" / "text_classifier_06.py"
@@ -161,3 +161,11 @@ def test_the_page_shows_the_worked_copys_dataset_and_collate_as_they_are():
         shown = {node.name for node in ast.parse(source).body if getattr(node, "name", None) in ("CSVText", "collate")
                  and ast.get_source_segment(source, node) in page}
         assert shown == {"CSVText", "collate"}, f"{copy.name}: only {shown or 'none'} on the page as in the copy"
+
+
+def test_the_checker_refuses_a_tensor_parallel_script_before_any_run():
+    """09's ranks share every batch: disjoint shards would read as BROKEN, so the checker says why it cannot judge."""
+    result = run([sys.executable, CHECKER, ROOT / "03_ddp_launch.py", ROOT / "09_tensor_parallel.py"], timeout=60,
+                 check=False)
+    assert_fails_clearly(result, "09_tensor_parallel.py is tensor parallel")
+    assert result.stdout == "", "03 was checked before 09 was refused"
