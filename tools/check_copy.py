@@ -44,7 +44,9 @@ FAILED = []  # the logs of the runs that exited non-zero: kept for reading
 
 
 def launch_kind(source):
-    """How the copy starts its processes, as its parent does."""
+    """How the copy starts its processes, as its parent does (tensor parallel: one the checks do not apply to)."""
+    if "parallelize_module(" in source:
+        return "tensor parallel"
     if "import lightning" in source:
         return "lightning"
     if "mp.spawn(" in source:
@@ -202,7 +204,9 @@ def main(argv=None):
     for script in args.scripts:
         if not script.is_file():
             sys.exit(f"error: {script}: no such file")
-        if "parallelize_module(" in script.read_text():  # refused before any run: no verdict to misread
+    sources = [(script, script.read_text()) for script in args.scripts]
+    for script, source in sources:
+        if launch_kind(source) == "tensor parallel":  # refused before any run: no verdict to misread
             sys.exit(f"error: {script} is tensor parallel: its ranks share every batch, and the checks here "
                      "are data parallel's")
     work = Path(tempfile.mkdtemp(prefix="check_copy-"))
@@ -212,14 +216,14 @@ def main(argv=None):
         else:
             data_dir, test_rows = args.data_dir.resolve(), args.test_rows
         failed = False
-        for i, script in enumerate(args.scripts):
-            kind = launch_kind(script.read_text())
+        for i, (script, source) in enumerate(sources):
+            kind = launch_kind(source)
             print(f"{script} ({kind}):", flush=True)
             for guarantee, held, seen in check(script.resolve(), kind, ["--data-dir", data_dir], test_rows,
                                                work / f"{i}-{script.stem}", args.only):
                 print(f"  {'holds ' if held else 'BROKEN'}  {guarantee}: {seen}", flush=True)
                 failed |= not held
-            if "resume" in args.only and not takes_snapshots(script.read_text()):
+            if "resume" in args.only and not takes_snapshots(source):
                 print(f"  n/a     {RESUME}: it takes no --snapshot, so it has nothing to resume", flush=True)
         if args.keep:
             shutil.copytree(work, args.keep, dirs_exist_ok=True)

@@ -9,6 +9,13 @@ import pytest
 from helpers import ROOT, SCRIPTS, without_the_measurement
 
 
+def flags_of(call):
+    """The --flags an add_argument call declares ([] for any other call)."""
+    if getattr(call.func, "attr", None) != "add_argument":
+        return []
+    return [a.value for a in call.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")]
+
+
 def unused(source):
     """What source imports, assigns at module level, takes as a flag or puts into a SimpleNamespace, and never
     reads."""
@@ -25,11 +32,10 @@ def unused(source):
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
-        if getattr(node.func, "attr", None) == "add_argument":  # p.add_argument("--flag", ...): args.flag read
-            flags = [a.value for a in node.args if isinstance(a, ast.Constant) and a.value.startswith("--")]
-            dest = next((k.value.value for k in node.keywords if k.arg == "dest"), None)
-            if flags and (dest or flags[0][2:].replace("-", "_")) not in read:
-                found.append(f"flag {flags[0]}")
+        flags = flags_of(node)  # p.add_argument("--flag", ...): args.flag read
+        dest = next((k.value.value for k in node.keywords if k.arg == "dest"), None)
+        if flags and (dest or flags[0][2:].replace("-", "_")) not in read:
+            found.append(f"flag {flags[0]}")
         if getattr(node.func, "id", None) == "SimpleNamespace":
             found += [f"field {k.arg}" for k in node.keywords if k.arg not in read]
     return found
@@ -37,9 +43,7 @@ def unused(source):
 
 def flags(source):
     """The flags source's parsers take."""
-    calls = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)]
-    return {a.value for n in calls if getattr(n.func, "attr", None) == "add_argument" for a in n.args
-            if isinstance(a, ast.Constant) and str(a.value).startswith("--")}
+    return {flag for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call) for flag in flags_of(n)}
 
 
 def dead_mentions(script, left):
