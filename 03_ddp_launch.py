@@ -178,7 +178,8 @@ def train_epoch(model, train_batches, optimizer, args, world, epoch):
     model.train()
     loss_sum = torch.zeros((), device=world.device)  # float32: MPS has no float64
     for step, (inputs, labels) in enumerate(train_batches):
-        inputs, labels = inputs.to(world.device), labels.to(world.device)  # no-op if there already
+        inputs = inputs.to(world.device, non_blocking=True)  # no-op if there already; from the
+        labels = labels.to(world.device, non_blocking=True)  # host, the CPU goes on during the copy
         optimizer.zero_grad(set_to_none=True)
         output = model(inputs)
         loss = F.cross_entropy(output, labels)

@@ -204,7 +204,8 @@ def train_epoch(model, train_batches, optimizer, args, world, epoch, first, so_f
     model.train()
     loss_sum = torch.tensor(so_far, device=world.device)  # 06: float32 (MPS), a resumed epoch's sum
     for step, (inputs, labels) in enumerate(train_batches, first):  # 06: a resumed epoch's numbers
-        inputs, labels = inputs.to(world.device), labels.to(world.device)  # no-op if there already
+        inputs = inputs.to(world.device, non_blocking=True)  # no-op if there already; from the
+        labels = labels.to(world.device, non_blocking=True)  # host, the CPU goes on during the copy
         optimizer.zero_grad(set_to_none=True)
         output = model(inputs)
         loss = F.cross_entropy(output, labels)

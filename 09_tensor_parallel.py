@@ -187,7 +187,8 @@ def train_epoch(model, train_batches, optimizer, args, world, epoch):
     model.train()
     loss_sum = torch.zeros((), device=world.device)  # float32: MPS has no float64
     for step, (inputs, labels) in enumerate(train_batches):
-        inputs, labels = inputs.to(world.device), labels.to(world.device)  # no-op if there already
+        inputs = inputs.to(world.device, non_blocking=True)  # no-op if there already; from the
+        labels = labels.to(world.device, non_blocking=True)  # host, the CPU goes on during the copy
         optimizer.zero_grad(set_to_none=True)
         output = model(inputs)
         loss = F.cross_entropy(output, labels)
@@ -218,6 +219,8 @@ def evaluate(net, test_batches, world):
 
 def run(args, world):
     torch.manual_seed(args.seed)  # TP: on every rank the same weights and the same dropout masks
+    # TP: each rank computes the convs' gradients alone, and cuDNN's fastest kernels sum in any order:
+    torch.backends.cudnn.deterministic = True  # TP: else the ranks' copies drift apart by rounding
     if world.local_rank != 0:
         dist.barrier()  # DDP: one process per machine makes the files (MNIST: a download) first
     training, testing = load_data(args, 0, 1, world.device)  # TP: 01's batches, on every rank
@@ -230,7 +233,9 @@ def run(args, world):
     mesh = init_device_mesh(world.device.type, (world.world_size,))  # TP: the ranks, on our device
     plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}  # TP: 1 all-reduce each way
     model = parallelize_module(net, mesh, plan)  # TP: fc1, fc2 hold slices; the convs stay whole
-    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
+    # TP: on a GPU, Adadelta updates all weights as one list ("foreach"), which cannot mix the convs'
+    # plain tensors with fc1's and fc2's DTensors: one weight at a time instead, as on the CPU.
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr, foreach=False)  # TP
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     epochs = []  # measure: each epoch's timing and results
     for epoch in range(1, args.epochs + 1):

@@ -47,6 +47,18 @@ def with_stand_in_accelerator(tmp_path, kind, count=1):
     return dict(PYTHONPATH=path, STAND_IN_ACCELERATOR=kind, STAND_IN_COUNT=str(count), STAND_IN_LOG=str(log)), log
 
 
+AS_ON_CUDA = Path(__file__).resolve().parent / "as_on_cuda"
+
+
+def as_on_cuda(tmp_path, *more_hooks):
+    """The environment of a run in which the CPU takes CUDA's default paths (the hook in tests/as_on_cuda: the
+    optimizers' foreach path, cuDNN's rounding, host reads and copies counted), more_hooks' folders after it on
+    PYTHONPATH, and the file to which each process writes what the hook saw, one JSON line each."""
+    log = Path(tmp_path) / "as-on-cuda.jsonl"
+    path = os.pathsep.join(filter(None, [str(AS_ON_CUDA), *map(str, more_hooks), os.environ.get("PYTHONPATH")]))
+    return dict(PYTHONPATH=path, AS_ON_CUDA_LOG=str(log)), log
+
+
 # Another set of CPU kernels than the tests run on (x86: ATen's scalar kernels and oneDNN's SSE4.1 ones, or AVX2 where
 # the tests already run on the scalar ones): the same run there differs only by float rounding, other vector
 # widths summing in another order. A mode's update compares with 01's within ROUNDING times that spread, per
