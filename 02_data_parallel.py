@@ -139,8 +139,8 @@ def collate(batch):
 def batches(dataset, rows, batch_size, seed):
     """A DataLoader of these rows, in this order, batch_size at a time (the last may be short)."""
     seeds = torch.Generator().manual_seed(seed)  # the workers' seeds: not from dropout's RNG
-    return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, num_workers=0,
-                      generator=seeds)  # num_workers: 0 for data on the device, 2-8 for files
+    return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, generator=seeds,
+                      num_workers=0, pin_memory=False)  # files: 2-8 workers, pinned on CUDA
 
 
 def load_data(args, rank, world_size, device):

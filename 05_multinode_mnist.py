@@ -162,8 +162,8 @@ def collate(batch):
 def batches(dataset, rows, batch_size, seed):
     """A DataLoader of these rows, in this order, batch_size at a time (the last may be short)."""
     seeds = torch.Generator().manual_seed(seed)  # the workers' seeds: not from dropout's RNG
-    return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, num_workers=0,
-                      generator=seeds)  # num_workers: 0 for data on the device, 2-8 for files
+    return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, generator=seeds,
+                      num_workers=0, pin_memory=False)  # files: 2-8 workers, pinned on CUDA
 
 
 def load_data(args, rank, world_size, device):
@@ -191,7 +191,8 @@ def train_epoch(model, train_batches, optimizer, args, world, epoch):
     model.train()
     loss_sum = torch.zeros((), device=world.device)  # float32: MPS has no float64
     for step, (inputs, labels) in enumerate(train_batches):
-        inputs, labels = inputs.to(world.device), labels.to(world.device)  # no-op if there already
+        inputs = inputs.to(world.device, non_blocking=True)  # no-op if there already; from the
+        labels = labels.to(world.device, non_blocking=True)  # host, the CPU goes on during the copy
         optimizer.zero_grad(set_to_none=True)
         output = model(inputs)
         loss = F.cross_entropy(output, labels)
@@ -346,6 +347,7 @@ if __name__ == "__main__":
     except mp.ProcessRaisedException as e:  # spawn: mp.spawn has stopped the others
         sys.exit(f"error: process {e.error_index} failed: {str(e).strip().splitlines()[-1]}")
     except mp.ProcessExitedException as e:  # spawn: killed by a signal, or it said why and exited
-        why = {"SIGABRT": "NCCL's watchdog aborted it"}.get(e.signal_name, "killed from outside")
-        sys.exit(f"error: process {e.error_index}: {e.signal_name}, {why}" if e.signal_name else
+        name = e.signal_name or {130: "SIGINT"}.get(e.exit_code)  # spawn: 130 = 128 + SIGINT
+        why = {"SIGABRT": "NCCL's watchdog aborted it"}.get(name, "killed from outside")
+        sys.exit(f"error: process {e.error_index}: {name}, {why}" if name else
                  e.exit_code)  # SIGABRT: a collective timed out or lost a peer

@@ -155,8 +155,8 @@ def collate(batch):
 def batches(dataset, rows, batch_size, seed):
     """A DataLoader of these rows, in this order, batch_size at a time (the last may be short)."""
     seeds = torch.Generator().manual_seed(seed)  # the workers' seeds: not from dropout's RNG
-    return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, num_workers=0,
-                      generator=seeds)  # num_workers: 0 for data on the device, 2-8 for files
+    return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, generator=seeds,
+                      num_workers=0, pin_memory=False)  # files: 2-8 workers, pinned on CUDA
 
 
 def load_data(args, rank, world_size, device):
@@ -219,7 +219,7 @@ def evaluate(net, test_batches, world):
 
 def run(args, world):
     torch.manual_seed(args.seed)  # TP: on every rank the same weights and the same dropout masks
-    # TP: each rank computes the convs' gradients alone, and cuDNN's fastest kernels sum in any order:
+    # TP: each rank computes the convs' gradients alone; cuDNN's fastest kernels sum in any order:
     torch.backends.cudnn.deterministic = True  # TP: else the ranks' copies drift apart by rounding
     if world.local_rank != 0:
         dist.barrier()  # DDP: one process per machine makes the files (MNIST: a download) first
@@ -233,8 +233,8 @@ def run(args, world):
     mesh = init_device_mesh(world.device.type, (world.world_size,))  # TP: the ranks, on our device
     plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}  # TP: 1 all-reduce each way
     model = parallelize_module(net, mesh, plan)  # TP: fc1, fc2 hold slices; the convs stay whole
-    # TP: on a GPU, Adadelta updates all weights as one list ("foreach"), which cannot mix the convs'
-    # plain tensors with fc1's and fc2's DTensors: one weight at a time instead, as on the CPU.
+    # TP: on a GPU, Adadelta updates all weights as one list ("foreach"), which cannot mix the
+    # convs' plain tensors with fc1's and fc2's DTensors: one at a time instead, as on the CPU.
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr, foreach=False)  # TP
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     epochs = []  # measure: each epoch's timing and results

@@ -7,12 +7,15 @@ import socket
 from bench.machine import output_of
 
 BUSY_MIB = 256  # an idle GPU shows a few MiB (the driver's own); more means a process holds memory there
+# torch 2.15 (2026-10-28) has no build for GPUs below compute capability 7.5 (V100 and older): 2.14 is their last.
+OLDEST_CAPABILITY, LAST_TORCH_FOR_OLDER = (7, 5), (2, 14)
 SHM = "/dev/shm"  # Linux's shared memory; macOS and Windows have none of this name
 SHM_LOW_BYTES = 1 << 30  # DataLoader workers and NCCL's transport within a node live in it; docker gives 64 MiB
 DEFAULT_PORT = 29500  # torchrun's, and 04's and 05's --master-port unless MASTER_PORT is set
 
 # (texts any of which names the failure, its likely cause and fix), most specific first: the first match counts.
-# The texts are torch 2.14.1's, gloo's and NCCL 2.30.7's (their libraries' strings), except where marked.
+# The texts are torch 2.14.1's, gloo's and NCCL 2.30.7's (their libraries' strings), except where marked. Torch 2.15
+# words two of them anew: NCCL without a GPU (marked below) and the watchdog's timeout, which "timed out" names.
 ADVICE = [
     (("unable to find address for", "unable to find interface for", "interface found"),
      "a network interface that GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME names does not exist or has no address: "
@@ -41,9 +44,9 @@ ADVICE = [
     (("driver on your system is too old",),
      "the NVIDIA driver is older than the CUDA this torch was built for: update the driver, or install a torch "
      "built for an older CUDA (pytorch.org/get-started)"),
-    (("no gpus found", "no cuda gpus are available", "not compiled with cuda"),
+    (("no gpus found", "requires at least one cuda device", "no cuda gpus are available", "not compiled with cuda"),
      "this torch sees no GPU: a CPU-only torch build, or CUDA_VISIBLE_DEVICES hides them; install a CUDA build "
-     "(pytorch.org/get-started) or run on the CPU with --cpu N"),
+     "(pytorch.org/get-started) or run on the CPU with --cpu N"),  # the second: torch 2.15's nccl2
     (("peer access",),
      "GPU peer-to-peer copies fail on this machine (common in VMs, or with PCIe ACS/IOMMU on): "
      "retry with NCCL_P2P_DISABLE=1"),
@@ -112,6 +115,24 @@ def gpu_usage(ids):
         for key in (index, uuid):
             usage[key] = dict(memory_used_mib=mib(used), processes=processes)
     return {i: usage[i] for i in ids if i in usage}
+
+
+def compute_capabilities(ids):
+    """{id: (major, minor)} for the GPUs that ids name as CUDA_VISIBLE_DEVICES does; {} where nvidia-smi cannot tell
+    (missing, or a driver older than R510, which has no compute_cap field)."""
+    found = {}
+    for index, uuid, capability in (row[:3] for row in csv_rows(["nvidia-smi", "--query-gpu=index,uuid,compute_cap",
+                                                                   "--format=csv,noheader"]) if len(row) >= 3):
+        major, _, minor = capability.partition(".")
+        for key in (index, uuid):
+            found[key] = (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None
+    return {i: found[i] for i in ids if found.get(i)}
+
+
+def release(version):
+    """(major, minor) of a version string such as torch's "2.14.1+cu130"; None where it has none."""
+    parts = (version or "").split("+")[0].split(".")
+    return tuple(map(int, parts[:2])) if len(parts) >= 2 and all(p.isdigit() for p in parts[:2]) else None
 
 
 def busy(usage, threshold_mib=BUSY_MIB):

@@ -7,9 +7,10 @@ likely cause and fix. --quick takes under a minute; the short run of each mode a
     python bench/doctor.py --quick          # without the short training run of each mode
     python bench/doctor.py --json doctor.json
 
-It checks the devices (and GPUs that other processes hold), the versions (driver, CUDA, NCCL, torch), the
-topology, /dev/shm, ports, the network interface settings, the all-reduce at each n the sweep uses (NCCL on GPUs,
-gloo on the CPU) with its bus bandwidth, and one short training run of each mode at the largest n it runs at.
+It checks the devices (GPUs that other processes hold, GPUs too old for newer torch releases), the versions
+(driver, CUDA, NCCL, torch), the topology, /dev/shm, ports, the network interface settings, the all-reduce at each
+n the sweep uses (NCCL on GPUs, gloo on the CPU) with its bus bandwidth, and one short training run of each mode at
+the largest n it runs at.
 Exit status 0: ready (warnings allowed), 1: a check failed, 2: bad arguments. The checks themselves are in
 bench/checks.py; the harness uses them too.
 """
@@ -109,12 +110,30 @@ def devices(gpus, settings, env):
             todo = f"{settings.max_n} processes on {cores} cores: each gets one thread and runs are slower"
         return row("devices", "warn" if todo else "ok", detail, todo)
     names = ", ".join(f"{i}: {name}" for i, name in gpus)
+    old, last = older_gpus(settings.gpus), checks.LAST_TORCH_FOR_OLDER
+    pin = (f"torch {last[0]}.{last[1] + 1} and later have no build for {old}: the last release that runs there is "
+           f"{last[0]}.{last[1]}, so pin torch<{last[0]}.{last[1] + 1}")
+    if old and (checks.release(env.get("torch_version")) or (0, 0)) > last:
+        return row("devices", "FAIL", f"{names}; but torch {env.get('torch_version')} has no build for {old}", pin)
     if env.get("is_cuda_available") != "True":
         build = env.get("cuda_compiled_version") or "none, a CPU-only build"
         return row("devices", "FAIL", f"{names}; but torch {env.get('torch_version')} cannot use CUDA "
                    f"(its CUDA: {build}; driver {env.get('nvidia_driver_version')})",
-                   "install a torch built for CUDA that this driver supports (pytorch.org/get-started), or --cpu N")
+                   "install a torch built for CUDA that this driver supports (pytorch.org/get-started), or --cpu N"
+                   + (f"; {pin}" if old else ""))
+    if old:  # this torch runs there; an upgrade would not
+        return row("devices", "warn", f"{len(gpus)} GPU(s) ({names}), NCCL at n = {counts}; {old}", pin)
     return row("devices", "ok", f"{len(gpus)} GPU(s) ({names}), NCCL at n = {counts}")
+
+
+def older_gpus(ids):
+    """The GPUs among ids below the compute capability torch's newer releases are built for, as "compute
+    capability 7.0 (GPU 0, 1)" (the lowest); "" where there are none, or nvidia-smi cannot tell."""
+    older = {i: c for i, c in checks.compute_capabilities(ids).items() if c < checks.OLDEST_CAPABILITY}
+    if not older:
+        return ""
+    lowest = min(older.values())
+    return f"compute capability {lowest[0]}.{lowest[1]} (GPU {', '.join(older)})"
 
 
 def gpu_memory(ids):

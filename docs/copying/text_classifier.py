@@ -128,8 +128,8 @@ def collate(batch):
 def batches(dataset, rows, batch_size, seed):
     """A DataLoader of these rows, in this order, batch_size at a time (the last may be short)."""
     seeds = torch.Generator().manual_seed(seed)  # the workers' seeds: not from dropout's RNG
-    return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, num_workers=2,
-                      generator=seeds)  # num_workers: 0 for data on the device, 2-8 for files
+    return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, generator=seeds,
+                      num_workers=2, pin_memory=torch.cuda.is_available())  # files: pinned on CUDA
 
 
 def load_data(args, rank, world_size, device):
@@ -157,7 +157,8 @@ def train_epoch(model, train_batches, optimizer, args, world, epoch):
     model.train()
     loss_sum = torch.zeros((), device=world.device)  # float32: MPS has no float64
     for step, (inputs, labels) in enumerate(train_batches):
-        inputs, labels = inputs.to(world.device), labels.to(world.device)  # no-op if there already
+        inputs = inputs.to(world.device, non_blocking=True)  # no-op if there already; from the
+        labels = labels.to(world.device, non_blocking=True)  # host, the CPU goes on during the copy
         optimizer.zero_grad(set_to_none=True)
         output = model(inputs)
         loss = F.cross_entropy(output, labels)

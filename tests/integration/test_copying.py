@@ -85,7 +85,7 @@ def test_the_worked_copies_keep_every_guarantee(copy, copies_checked):
     restarted with dropout on, the rows coming through 2 DataLoader workers."""
     kind, lines = copies_checked[copy.name]
     assert kind == "torchrun" and all_hold(lines, 5 if copy == COPY_06 else 4), lines
-    assert "num_workers=2," in copy.read_text()
+    assert "num_workers=2, pin_memory=torch.cuda.is_available())" in copy.read_text()
     said = "\n".join(line for _, line in lines)
     assert "3 disjoint shards of the 1152 rows" in said, said  # world size 3 ran; the update ran 2 and 1
     assert f"{TEST_ROWS} rows scored in each of 2 evaluations" in said, said
@@ -112,8 +112,8 @@ PLANTS = {  # a copier's mistake: (script, text, replacement, the checks run, th
         COPY_03, "        return batches(test_set, test_rows, args.test_batch_size, args.seed)\n",
         "        return DataLoader(test_set, args.test_batch_size, sampler=test_rows, collate_fn=collate,\n"
         "                          num_workers=2, drop_last=True)\n", "shards,rows,writes", ROWS),
-    "no-generator-in-06s-loaders": (COPY_06, "num_workers=2,\n                      generator=seeds)",
-                                    "num_workers=2)", "resume", RESUME),
+    "no-generator-in-06s-loaders": (COPY_06, "collate_fn=collate, generator=seeds,\n", "collate_fn=collate,\n",
+                                    "resume", RESUME),
     "a-per-rank-seed-before-fully-shard": (
         ROOT / "08_fsdp.py", "    torch.manual_seed(args.seed)  # FSDP: the same weights",
         "    torch.manual_seed(args.seed + world.rank)  # FSDP: the same weights", "update", UPDATE),

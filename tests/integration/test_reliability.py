@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from helpers import (ROOT, TORCHRUN, busy_note, free_port, launcher_env, load_script, run, run_two_nodes,
-                     script_command, start, stop)
+                     script_command, slack, start, stop)
 
 # One thread per process everywhere: two "nodes" on one host would otherwise take two each, and a different
 # number of threads sums in a different order (equal weights, not bitwise equal). 20 steps an epoch: snapshots
@@ -351,6 +351,43 @@ def test_a_killed_rank_ends_the_job_quickly_and_says_why(launch, quick_mnist_dir
         assert "Traceback" not in stderr and "process 1: SIGKILL, killed from outside" in stderr, stderr
     else:
         assert "SIGKILL" in stderr, stderr
+
+
+SPAWN_2_15 = ROOT / "tests" / "torch_2_15_spawn"  # torch 2.15's mp.spawn on the torch installed here
+# How mp.spawn ends a worker interrupted while its parent lives: (processes, the hook's TORCH_2_15_SPAWN, what the
+# one line says). As installed, torch 2.14 exits 0 as if the worker had finished, and the other worker fails on its
+# lost peer; one process alone would then exit 0. The hook's cases run one process: no peer fails first.
+INTERRUPTS = {
+    "as installed": (2, "", ""),
+    "2.15": (1, "traceback", "process 0 failed: KeyboardInterrupt"),  # the worker's traceback goes to the parent
+    "2.15, exit 130 alone": (1, "exit", "process 0: SIGINT, killed from outside"),  # no traceback: nothing said
+}
+
+
+@pytest.mark.parametrize("script, spawn", [("04_ddp_spawn.py", "as installed"), ("04_ddp_spawn.py", "2.15"),
+                                           ("04_ddp_spawn.py", "2.15, exit 130 alone"),
+                                           ("05_multinode_mnist.py", "2.15, exit 130 alone")])
+def test_an_interrupted_worker_ends_the_job_in_one_line(script, spawn, quick_mnist_dir, tmp_path):
+    """SIGINT to one worker while its parent lives, as a Ctrl-C that reaches it alone: one line, a non-zero exit
+    and no traceback, whichever way mp.spawn ends that worker (torch 2.14's, or 2.15's by the hook)."""
+    nprocs, behaviour, says = INTERRUPTS[spawn]
+    log = tmp_path / "wrappers.log"
+    path = os.pathsep.join(filter(None, [str(SPAWN_2_15), os.environ.get("PYTHONPATH")]))
+    env = dict(PYTHONPATH=path, TORCH_2_15_SPAWN=behaviour, TORCH_2_15_LOG=str(log)) if behaviour else None
+    count = "--nprocs" if script == "04_ddp_spawn.py" else "-g"  # 05 as one node
+    job = Job(script_command(script, count, nprocs, "--master-port", free_port(), "--data-dir", quick_mnist_dir,
+                             "--epochs", 5, "--log-interval", 1), env=env)
+    try:
+        job.wait_for_line("epoch 1 step 2 ", timeout=slack(60))
+        os.kill(max(children(job.process.pid)), signal.SIGINT)  # the last worker started
+        returncode, _, stderr = job.finish(slack(30), "the job, one of its workers interrupted")
+    finally:
+        job.kill()
+    errors = error_lines(stderr)
+    assert returncode != 0 and "Traceback" not in stderr, f"exit {returncode}:\n{stderr}"
+    assert len(errors) == 1 and says in errors[0], stderr
+    if behaviour:  # torch 2.15's wrapper ran in the worker
+        assert f"wrap {nprocs - 1}" in log.read_text()
 
 
 def test_three_jobs_at_once_on_one_host_do_not_collide(quick_mnist_dir, tmp_path):

@@ -13,7 +13,7 @@ from bench import checks, doctor, measurements, sweep
 from bench.commands import commands
 from bench.processes import KILL_GRACE_S
 from bench.family import MODES
-from helpers import ROOT, busy_note, slack
+from helpers import ROOT, busy_note, fake_command, slack
 
 
 def test_a_collective_that_does_not_answer_in_time_fails_with_the_hang_advice_at_the_bound(monkeypatch, tmp_path):
@@ -58,10 +58,54 @@ def test_memory_held_by_processes_nvidia_smi_cannot_see_is_still_a_warning():
     assert checks.busy({"0": dict(memory_used_mib=3, processes=[])}) == []
 
 
+# ---- GPUs that torch's newer releases have no build for, their compute capability from a stand-in nvidia-smi
+
+CAPABILITIES = "--query-gpu=index,uuid,compute_cap --format=csv,noheader"  # what the doctor asks nvidia-smi
+V100_AND_H200 = [("0", "Tesla V100-SXM2-16GB"), ("1", "NVIDIA H200")]
+PIN = ("torch 2.15 and later have no build for compute capability 7.0 (GPU 0): the last release that runs there is "
+       "2.14, so pin torch<2.15")
+
+
+def devices_row(tmp_path, gpus, torch_version, cuda="True"):
+    settings = doctor.doctor_settings(gpus, doctor.parse_args([]), str(tmp_path))
+    return doctor.devices(gpus, settings, dict(torch_version=torch_version, is_cuda_available=cuda))
+
+
+@pytest.mark.parametrize("torch_version, cuda, status", [("2.14.1+cu126", "True", "warn"),
+                                                         ("2.15.0+cu128", "True", "FAIL"),
+                                                         ("2.15.0+cu128", "False", "FAIL"),
+                                                         ("2.14.1+cpu", "False", "FAIL")])
+def test_a_gpu_below_compute_capability_7_5_is_told_that_torch_2_14_is_its_last(torch_version, cuda, status,
+                                                                                 tmp_path, monkeypatch):
+    """A V100 (7.0): torch 2.14 still runs there, a warning; 2.15 has no build for it, a failure. The one line to
+    do is the pin, whatever else the row says."""
+    answers = {CAPABILITIES: "0, GPU-aaaa, 7.0\n1, GPU-bbbb, 9.0"}
+    monkeypatch.setenv("PATH", fake_command(tmp_path, "nvidia-smi", answers)["PATH"])
+    said = devices_row(tmp_path, V100_AND_H200, torch_version, cuda)
+    assert said["status"] == status and said["todo"].endswith(PIN) and "\n" not in said["todo"], said
+    assert "compute capability 7.0 (GPU 0)" in said["detail"] or "cannot use CUDA" in said["detail"], said
+    h200 = devices_row(tmp_path, V100_AND_H200[1:], torch_version, cuda)  # 9.0: every release has a build
+    assert "capability" not in h200["detail"] + h200["todo"], h200
+    assert h200["status"] == ("ok" if cuda == "True" else "FAIL")
+
+
+def test_where_nvidia_smi_cannot_tell_the_capability_the_doctor_claims_nothing(tmp_path, monkeypatch):
+    """A driver before R510 has no compute_cap: the stand-in fails that query, as such an nvidia-smi does."""
+    monkeypatch.setenv("PATH", fake_command(tmp_path, "nvidia-smi", {})["PATH"])
+    assert checks.compute_capabilities(["0"]) == {}
+    assert devices_row(tmp_path, V100_AND_H200[:1], "2.15.0+cu128")["status"] == "ok"
+
+
 # ---- the cause and the fix of a failure's text
 
 # Texts as torch 2.14.1 printed them on this machine (reproduced), or built from the format strings in its
-# libraries and in NCCL 2.30.7's (`strings libnccl.so.2`); "Duplicate GPU detected" is older NCCL's.
+# libraries and in NCCL 2.30.7's (`strings libnccl.so.2`); "Duplicate GPU detected" is older NCCL's. Those marked
+# torch 2.15's are its new wording of the same failures, from its release notes (not installable here).
+WATCHDOG = {"2.14": "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, OpType=ALLREDUCE) ran "
+                    "for 600000 milliseconds before timing out.",
+            "2.15": "Watchdog caught collective operation timeout: NCCL operation timed out"}
+NO_GPU = {"2.14": "RuntimeError: ProcessGroupNCCL is only supported with GPUs, no GPUs found!",
+          "2.15": "nccl2 requires at least one CUDA device"}
 MESSAGES = [
     ("RuntimeError: [enforce fail at /__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/device.cc:84] "
      "ifa != nullptr. Unable to find address for: nosuchif", "GLOO_SOCKET_IFNAME"),  # reproduced
@@ -72,8 +116,8 @@ MESSAGES = [
      "42263).", "MASTER_ADDR:MASTER_PORT"),  # reproduced: a refused connection, retried until the timeout
     ("gloo/transport/tcp/pair.cc:144] connect [127.0.0.1]:29500: Connection refused", "MASTER_ADDR:MASTER_PORT"),
     ("DistStoreError: Timed out after 6 seconds waiting for clients. 1/2 clients joined.", "peer never arrived"),
-    ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, OpType=ALLREDUCE) ran for "
-     "600000 milliseconds before timing out.", "NCCL_P2P_DISABLE=1"),
+    (WATCHDOG["2.14"], "NCCL_P2P_DISABLE=1"),
+    (WATCHDOG["2.15"], "NCCL_P2P_DISABLE=1"),  # torch 2.15's
     ("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error (run "
      "with NCCL_DEBUG=INFO for details), NCCL version 2.30.7", "NCCL_DEBUG=INFO"),
     ("misc/shmutils.cc:72 NCCL WARN Error: failed to extend /dev/shm/nccl-a1b2c3 to 9637892 bytes, error: No "
@@ -100,7 +144,8 @@ MESSAGES = [
      "NCCL_IGNORE_NET_MISMATCH=1 to continue.", "NCCL_IGNORE_NET_MISMATCH=1"),
     ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
      "139.81 GiB of which 1.19 MiB is free.", "nvidia-smi"),
-    ("RuntimeError: ProcessGroupNCCL is only supported with GPUs, no GPUs found!", "CUDA build"),
+    (NO_GPU["2.14"], "CUDA build"),
+    (NO_GPU["2.15"], "CUDA build"),  # torch 2.15's
     ("RuntimeError: The NVIDIA driver on your system is too old (found version 11040).", "update the driver"),
     ("NCCL WARN NET/Plugin: Could not find: libnccl-net.so", "NCCL_DEBUG=INFO"),
 ]
@@ -110,6 +155,11 @@ MESSAGES = [
 def test_advice_names_the_cause_and_fix_of_real_failure_texts(text, fix):
     said = checks.advice(text)
     assert said != checks.GENERIC_ADVICE and fix in said and "\n" not in said
+
+
+@pytest.mark.parametrize("texts", [WATCHDOG, NO_GPU], ids=["the watchdog's timeout", "nccl without a GPU"])
+def test_torch_2_14_and_2_15_words_for_one_failure_get_one_cause_and_fix(texts):
+    assert checks.advice(texts["2.14"]) == checks.advice(texts["2.15"]) != checks.GENERIC_ADVICE
 
 
 def test_advice_on_the_harness_own_words_for_a_stopped_run_or_collective_is_the_hang():
