@@ -2,13 +2,26 @@
 and one log (for a machine lent for minutes, with no network, torch installed but perhaps not lightning, pytest,
 pandas or matplotlib).
 
-    python bench/gpu_check.py --out /tmp/out        # the doctor, the GPU tests, a short sweep of GPU 0
+    python bench/gpu_check.py --out /tmp/out        # warm-up, doctor, GPU tests, step forms, a short sweep of GPU 0
     python bench/gpu_check.py --cpu --out /tmp/out  # the same steps on the CPU: to try the check itself
 
 Writes gpu-check.log (every step's command, status, seconds, bound and output tail) and gpu-check.tgz (the doctor's
-table and logs, the tests' reports, the sweep's results, a cut step's too) into --out; exit status 0 when every
-step passed (a skipped one is no pass). Each step has its own bound, 1.5 x its projected work (WORK): 466 s in all
-on one H200 with Lightning, and 20 s more for each step cut, whatever hangs.
+table and logs, the tests' reports, the step forms' JSON, the sweep's results, a cut step's too) into --out; exit
+status 0 when every step passed (a skipped one is no pass).
+
+A lent H200 runs it in one call of at most CALL_S, 540 s. Each step has its own bound: 1.5 x its projected work,
+counted in run start-ups of 18 s (WORK). A cut step has CUT_GRACE_S, 20 s, more to end what it started. On one
+H200 with Lightning, step by step, projected work / bound:
+
+    warm up      import torch and torchvision, start CUDA (a cold machine's first import)     27 / 41 s
+    doctor       bench/doctor.py --quick: its table                                           27 / 41 s
+    gpu tests    01, 02 and 04 at once on CUDA; the step that never waits; the CUDA graph     45 / 68 s
+    two ranks    03, 05-09 as two ranks on GPU 0, 01 beside them, all at once                 63 / 95 s
+    step forms   01's step eager, compiled and as one CUDA graph (bench/measure/step_forms)   36 / 54 s
+    sweep        bench/run_all.py --modes 01: the harness, its report and plots               67 / 100 s
+
+The bounds add up to 399 s; with 20 s more for each step cut, 519 s whatever hangs, which leaves 21 s for this
+program's own start, its archive and the device tool. Without Lightning the two ranks step is 54 / 81 s.
 """
 import argparse
 import contextlib
@@ -30,6 +43,8 @@ from bench.processes import log_tail, run_processes  # noqa: E402
 STEP_MARK = "BENCH_GPU_CHECK_STEP"  # in each step's environment, which everything it starts inherits
 CUT_GRACE_S = 20  # after a step's SIGTERM: its runs' own SIGTERM-then-SIGKILL (5 s) and its report or table
 RUN_TIMEOUT_S = dict(gpu=60, cpu=90)  # the sweep's runs (--timeout): 3 x START_S, under the sweep's own bound
+CALL_S = 540  # the device tool's one call on a lent GPU machine: the whole check, every step cut included
+SPARE_S = 15  # of CALL_S, kept for this program's own start, its archive and the device tool
 
 
 # The work of each step, in run start-ups: 10-18 s each on one H200 before a run trains (imports, CUDA, data;
@@ -40,21 +55,36 @@ RUN_TIMEOUT_S = dict(gpu=60, cpu=90)  # the sweep's runs (--timeout): 3 x START_
 START_S = dict(gpu=18, cpu=30)
 MARGIN = 1.5
 WORK = dict(
+    # One start-up, half again for a cold machine: its first import reads the CUDA libraries from disk. The
+    # doctor's torch report then starts warm (cold, it once ran out of time and read "torch cannot use CUDA").
+    warm_up=dict(gpu=1.5, cpu=1),
     # --quick: torch's collect_env in a child (1 start-up), nvidia-smi and git (0.5). Its training runs would add a
-    # start-up per mode (6, 7 with Lightning), which the tests and the sweep pay for already.
+    # start-up per mode, which the tests pay for already.
     doctor=dict(gpu=1.5, cpu=2.5),  # on the CPU also the all-reduce at n = 2 (one start-up)
-    # pytest and conftest's imports (0.5), every mode on CUDA (5: 01, 02, 03, 04, 06), the in-process sync test (0.5)
-    gpu_tests=dict(gpu=6, cpu=1),  # on the CPU: collection only, every test skips
-    # pytest (0.5); 05 as two nodes (1.2: two processes at once, NCCL's connection), 06 under two torchruns (1.3),
-    # 07 with Lightning's imports (1.8, where Lightning is installed)
-    two_hosts=dict(gpu=3.0, cpu=1), two_hosts_lightning=dict(gpu=1.8, cpu=0),
-    # collect_env (1.2), the loader's measurement (1), 01 (1) and 08 under torchrun (1.2), reading back the results
-    # and drawing the plots (0.5: pandas and matplotlib)
-    sweep=dict(gpu=4.9, cpu=5.0),  # on the CPU: --cpu 1, 01 and 08 (each start-up there counted 30 s)
+    # pytest and conftest's imports (0.5); 01, 02 and 04 at once (1.5: four processes, 04's spawn counted, on 16
+    # cores); in pytest's process, the step that never waits and the CUDA graph's check (0.5)
+    gpu_tests=dict(gpu=2.5, cpu=1),  # on the CPU: collection only, every test skips
+    # pytest (0.5); 01, and 03, 05, 06, 08 and 09 as two nodes each, at once (2.5: 19 processes, torchrun's agents
+    # counted, on 16 cores); 07's two nodes among them (0.5: four processes more, Lightning's imports)
+    two_ranks=dict(gpu=3.0, cpu=1), two_ranks_lightning=dict(gpu=0.5, cpu=0),
+    # one start-up; compiling the model's forward and backward (0.5: 8 s on an H200,
+    # results/1x-nvidia-h200-gpu-check/followup); 3 x 510 steps and the check, 2 s (0.5)
+    step_forms=dict(gpu=2, cpu=4),  # on the CPU: compiling took 70 s on the 2-core VM, and 10 timed steps
+    # collect_env (1.2), the loader's measurement (1), 01 (1), reading back the results and drawing the plots
+    # (0.5: pandas and matplotlib)
+    sweep=dict(gpu=3.7, cpu=4),  # on the CPU: --cpu 1 (a start-up there counted 30 s)
 )
-# Two ranks on one GPU as two hosts: the pytest marker of those tests (tests/integration/test_gpu.py), a step of
-# their own.
-TWO_HOSTS = "two_hosts"
+STEPS = ("warm up", "doctor", "gpu tests", "two ranks", "step forms", "sweep")
+# Two ranks on one GPU: the pytest marker of those tests (tests/integration/test_gpu.py), a step of their own.
+TWO_RANKS = "two_ranks"
+# The first step: torch and torchvision imported once, and CUDA started, where the check runs on the GPU.
+WARM_UP = """import sys, time
+started = time.monotonic()
+import torch, torchvision
+if sys.argv[1] == "cuda":
+    torch.cuda.init()  # the driver and CUDA's libraries: where they fail, the error says why
+print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, CUDA available: "
+      f"{torch.cuda.is_available()}; {time.monotonic() - started:.0f} s")"""
 
 
 def bound_s(starts, kind):
@@ -62,13 +92,17 @@ def bound_s(starts, kind):
 
 
 def projected(cpu):
-    """{step: (its work in seconds at the slowest start-up, its bound)}; Lightning's test counted where it is."""
+    """{step: (its work in seconds at the slowest start-up, its bound)}; Lightning's runs counted where it is."""
     kind = "cpu" if cpu else "gpu"
-    work = {name: WORK[key][kind] for name, key in
-            (("doctor", "doctor"), ("gpu tests", "gpu_tests"), ("two hosts", "two_hosts"), ("sweep", "sweep"))}
+    work = {name: WORK[name.replace(" ", "_")][kind] for name in STEPS}
     if importlib.util.find_spec("lightning"):
-        work["two hosts"] += WORK["two_hosts_lightning"][kind]
+        work["two ranks"] += WORK["two_ranks_lightning"][kind]
     return {name: (starts * START_S[kind], bound_s(starts, kind)) for name, starts in work.items()}
+
+
+def worst_case_s(cpu):
+    """How long the check can take whatever hangs: every bound, and every step cut with its grace."""
+    return sum(bound for _, bound in projected(cpu).values()) + len(STEPS) * CUT_GRACE_S
 
 
 def steps(work, cpu):
@@ -84,16 +118,20 @@ def steps(work, cpu):
         return ([python, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-m", selection,
                  "tests/integration/test_gpu.py", "--junitxml", xml] if has_pytest else None)
 
-    sweep = (["--cpu", "1"] if cpu else ["--gpus", "0"]) + ["--modes", "01,08",
+    sweep = (["--cpu", "1"] if cpu else ["--gpus", "0"]) + ["--modes", "01",
                                                            "--epoch-images", "1280" if cpu else "19200"]
-    return [
-        ("doctor", [python, "bench/doctor.py", *where, "--quick", "--json", f"{work}/doctor.json",
-                    "--logs", f"{work}/doctor"], bounds["doctor"]),
-        ("gpu tests", tests("gpu tests", f"gpu and not {TWO_HOSTS}"), bounds["gpu tests"]),
-        ("two hosts", tests("two hosts", f"gpu and {TWO_HOSTS}"), bounds["two hosts"]),
-        ("sweep", [python, "bench/run_all.py", *sweep, "--synthetic", "--epochs", "1", "--timeout",
-                   str(RUN_TIMEOUT_S["cpu" if cpu else "gpu"]), "--out", f"{work}/sweep"], bounds["sweep"]),
-    ]
+    forms = ["--cpu", "--steps", "10"] if cpu else []  # on the 2-core VM, a step took 0.2-0.4 s
+    planned = {
+        "warm up": [python, "-c", WARM_UP, "cpu" if cpu else "cuda"],
+        "doctor": [python, "bench/doctor.py", *where, "--quick", "--json", f"{work}/doctor.json",
+                   "--logs", f"{work}/doctor"],
+        "gpu tests": tests("gpu tests", f"gpu and not {TWO_RANKS}"),
+        "two ranks": tests("two ranks", f"gpu and {TWO_RANKS}"),
+        "step forms": [python, "-m", "bench.measure.step_forms", *forms, "--json", f"{work}/step-forms.json"],
+        "sweep": [python, "bench/run_all.py", *sweep, "--synthetic", "--epochs", "1", "--timeout",
+                  str(RUN_TIMEOUT_S["cpu" if cpu else "gpu"]), "--out", f"{work}/sweep"],
+    }
+    return [(name, planned[name], bounds[name]) for name in STEPS]
 
 
 def test_counts(xml_path):
@@ -170,7 +208,8 @@ def main(argv=None):
     with open(os.path.join(args.out, "gpu-check.log"), "w") as report:
         planned = steps(work, args.cpu)
         report.write(f"== {len(planned)} steps, {sum(limit for *_, limit in planned)} s at most (each bound "
-                     f"{MARGIN} x its projected work; a cut step has {CUT_GRACE_S} s more to end)\n\n")
+                     f"{MARGIN} x its projected work; a cut step has {CUT_GRACE_S} s more to end, "
+                     f"{worst_case_s(args.cpu)} s if every step is cut)\n\n")
         for name, command, limit in planned:
             status, seconds, tail = run_step(name, command, limit, work)
             failed += [name] if not status.startswith(("ok", "skipped")) else []

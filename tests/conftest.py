@@ -13,7 +13,7 @@ from helpers import NVIDIA_SMI, QUICK_TEST_IMAGES, TRAIN_IMAGES, fake_command, w
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA (skipped where there is none)")
-    config.addinivalue_line("markers", "two_hosts: two ranks on one GPU as two hosts (the GPU check's own step)")
+    config.addinivalue_line("markers", "two_ranks: two ranks on one GPU, as two nodes (the GPU check's own step)")
     config.addinivalue_line("markers", "slurm: needs root, SLURM and munge (skipped where they are missing)")
 
 

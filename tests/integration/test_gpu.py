@@ -1,12 +1,26 @@
-"""The CUDA paths: run on a GPU machine (`python -m pytest -q -m gpu tests`); skipped where there is no GPU."""
+"""The CUDA paths: run on a GPU machine (`python -m pytest -q -m gpu tests`); skipped where there is no GPU.
+
+Every script of bench/family.py trains here on CUDA once, in one of two forms, all of a form's runs at once:
+- one GPU each: the modes without a process group (01, 02), and 04, whose spawn starts all its processes itself;
+- two ranks on GPU 0 (marker two_ranks, a step of its own in bench/gpu_check.py): every other mode, as two
+  "nodes" of one process each, so that NCCL's collectives run even on a machine with a single GPU.
+A new script joins the form its row's launch gives it. Besides: the step that never waits for the GPU, and the
+CUDA graph of bench/measure/step_forms.py."""
+import importlib.util
 import json
 import os
+import subprocess
+import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from helpers import TORCHRUN, free_port, load_script, run, script_command, start, stop
+from bench.family import LIGHTNING
+from bench.measure import step_forms
+from helpers import MODES, TORCHRUN, by_script, free_port, load_script, script_command, start, stop
 
 pytestmark = pytest.mark.gpu
 
@@ -17,48 +31,145 @@ pytestmark = pytest.mark.gpu
 GPUS = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES",
                                                ",".join(map(str, range(torch.cuda.device_count())))),
         "NVIDIA_TF32_OVERRIDE": "0"}
+# NCCL refuses two ranks of one machine on one GPU ("Multiple Ranks are using the same GPU") unless this is set:
+# NCCL's own switch from 2.30 on (torch 2.14.1 ships NCCL 2.30.7).
+TWO_RANKS_ON_ONE_GPU = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+
+GPU_COUNT = max(1, torch.cuda.device_count())
+# The global batch of every run: 64 per GPU in the one-GPU-each form, which two ranks split evenly too.
+GLOBAL_BATCH = 64 * GPU_COUNT
+ON_CUDA = SimpleNamespace(cpu=False, kind="gpu")  # what a launch's flags ask of the harness's settings
+# The wait for each form's runs, all of them together. One GPU each: 2.5 start-ups of 18 s, the slowest measured
+# on an H200. Two ranks: 19 to 23 processes on 16 cores. With pytest's own start-up, both end inside their steps'
+# bounds in bench/gpu_check.py (68 s, and 81-95 s).
+ONE_GPU_EACH_TIMEOUT_S, TWO_RANKS_TIMEOUT_S = 45, 65
 
 
-# Each run's and node's wait: 3 x the slowest start-up measured on an H200 (18 s), inside the GPU check's bound
-# of its step (bench/gpu_check.py: 162 s for these tests, 81-130 s for the two hosts ones).
-RUN_TIMEOUT_S, PEER_TIMEOUT_S = 60, 20
+def torchrun_node(script, rank, port, *args):
+    """One of two torchrun agents on this host, one process each: two "nodes" as 05 has them."""
+    return [*TORCHRUN, "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(rank), "--master_addr",
+            "127.0.0.1", "--master_port", str(port), script, *map(str, args)]
 
 
-def train(script, out, *args, nprocs=None):
-    out.mkdir()
-    run(script_command(script, "--synthetic", "--max-steps", 4, "--log-interval", 0, "--no-dropout",
-                       "--metrics-json", out / "m.json", "--save-model", out / "model.pt", *args, nprocs=nprocs),
-        timeout=RUN_TIMEOUT_S, env=GPUS)
-    return json.loads((out / "m.json").read_text()), torch.load(out / "model.pt", map_location="cpu")
+def two_ranks_command(mode, rank, port):
+    """Rank `rank` of a mode run as two ranks on GPU 0, each a "node" of one process; None for a mode that cannot
+    be started so (one process: 01, 02; 04's spawn starts all its processes itself)."""
+    if mode.launch.nodes > 1:  # 05 says which node it is with flags of its own
+        return script_command(mode.script, "-n", 2, "-g", 1, "--nr", rank, "--master-port", port)
+    if mode.launch.torchrun:
+        return torchrun_node(mode.script, rank, port)
+    if mode.launch is LIGHTNING:  # Lightning reads its node from torchrun's environment
+        return torchrun_node(mode.script, rank, port, "--devices", 1, "--num-nodes", 2)
+    return None
 
 
-B = 32  # per GPU: every global batch is B x the GPU count, whatever that count is
+TWO_RANKS = [m.script for m in MODES.values() if two_ranks_command(m, 0, 0) and m.runs_with(2, False)]
+ONE_GPU_EACH = [m.script for m in MODES.values() if m.script not in TWO_RANKS]
+REFERENCE = "01_single_gpu.py"  # every run's weights are compared with its
 
 
-def test_every_mode_trains_on_cuda_and_reports_gpu_memory(tmp_path):
-    gpus = torch.cuda.device_count()
-    ids = ",".join(map(str, range(gpus)))
-    runs = {"01": train("01_single_gpu.py", tmp_path / "01", "--batch-size", B * gpus),
-            "02": train("02_data_parallel.py", tmp_path / "02", "--batch-size", B * gpus, "--gpus", ids),
-            "03": train("03_ddp_launch.py", tmp_path / "03", "--batch-size", B, nprocs=gpus),
-            "04": train("04_ddp_spawn.py", tmp_path / "04", "--batch-size", B, "--nprocs", gpus),
-            # 06's snapshot gathers every rank's RNG state: an object collective, on each rank's own GPU
-            "06": train("06_fault_tolerant.py", tmp_path / "06", "--batch-size", B, "--snapshot",
-                        tmp_path / "06-snapshot.pt", nprocs=gpus)}
-    for name, (record, _) in runs.items():
-        assert record["device_type"] == "cuda", name
-        assert 0 < record["peak_memory_bytes"] < torch.cuda.get_device_properties(0).total_memory, name
-        assert record["global_batch"] == B * gpus and record["samples_per_s"] > 0, name
-    per_gpu = runs["02"][0]["epochs_detail"][0]["peak_memory_per_device"]
-    assert len(per_gpu) == gpus and runs["02"][0]["peak_memory_bytes"] == max(per_gpu)  # DataParallel: each GPU
-    assert runs["03"][0]["backend"] == runs["04"][0]["backend"] == runs["06"][0]["backend"] == "nccl"
-    assert (tmp_path / "06-snapshot.pt").exists()
+def commands(mode, port):
+    """(world size, commands) of a mode's run in its form. One GPU each: 01 on one, 02 driving them all, 04 spawning
+    a process for each."""
+    if mode.script in TWO_RANKS:
+        return 2, [two_ranks_command(mode, rank, port) for rank in (0, 1)]
+    n = GPU_COUNT if mode.runs_with(GPU_COUNT, False) else 1
+    return n, [script_command(mode.script, *mode.launch.flags(n, ON_CUDA), nprocs=n)]
+
+
+def finish(process, deadline):
+    """(exit code, stderr) of a started process; the exit code is None if it still ran at the deadline."""
+    try:
+        _, stderr = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return None, ""
+    return process.returncode, stderr
+
+
+def train_at_once(scripts, tmp, timeout):
+    """Each script's short run, all started at once: {script: its failure or None, world size, record, weights}.
+    A failed run fails its own test only. At the deadline, or when pytest is stopped (the GPU check's cut), every
+    process group they started is ended."""
+    started, out = {}, {}
+    for script in scripts:
+        mode = by_script(script)
+        if mode.needs and importlib.util.find_spec(mode.needs) is None:
+            continue  # its test skips, saying what is missing
+        out[script] = tmp / script
+        out[script].mkdir()
+        n, argvs = commands(mode, free_port())
+        per_device = GLOBAL_BATCH if mode.batch.shared else GLOBAL_BATCH // n
+        args = ["--synthetic", "--max-steps", 4, "--log-interval", 0, "--no-dropout", "--batch-size",
+                mode.batch.loader_batch(per_device, n), "--metrics-json", out[script] / "m.json",
+                "--save-model", out[script] / "model.pt"] + ["--snapshot", out[script] / "snapshot.pt"] * mode.snapshot
+        env = {**GPUS, **(TWO_RANKS_ON_ONE_GPU if script in TWO_RANKS else {})}
+        started[script] = (n, [start(argv + [str(a) for a in args], env=env) for argv in argvs])
+    processes = [p for _, group in started.values() for p in group]
+    began, deadline = time.monotonic(), time.monotonic() + timeout
+    pool = ThreadPoolExecutor(len(processes))  # a reader each: no run may stall on a full pipe
+    try:
+        ends = dict(zip(processes, pool.map(lambda p: finish(p, deadline), processes)))
+    finally:
+        stop(processes)
+        pool.shutdown()
+    print(f"{len(started)} runs, {len(processes)} processes at once: {time.monotonic() - began:.0f} s")
+    runs = {}
+    for script, (n, group) in started.items():
+        failures = [f"still running after {timeout} s" if code is None else f"exit code {code}: {err[-3000:]}"
+                    for code, err in map(ends.get, group) if code != 0]
+        runs[script] = SimpleNamespace(failure="; ".join(failures) or None, world_size=n, out=out[script])
+        if not failures:
+            runs[script].record = json.loads((out[script] / "m.json").read_text())
+            runs[script].weights = torch.load(out[script] / "model.pt", map_location="cpu")
+    return runs
+
+
+def check_run(runs, script):
+    """A run trained on CUDA at the global batch, reports its GPU memory, and took 01's update."""
+    mode = by_script(script)
+    if mode.needs:
+        pytest.importorskip(mode.needs)
+    run, reference = runs[script], runs[REFERENCE]
+    assert run.failure is None, run.failure
+    record = run.record
+    assert (record["device_type"], record["world_size"]) == ("cuda", run.world_size)
+    assert 0 < record["peak_memory_bytes"] < torch.cuda.get_device_properties(0).total_memory
+    assert record["global_batch"] == GLOBAL_BATCH and record["samples_per_s"] > 0
+    assert record["backend"] == ("nccl" if mode.collective else None)
+    if mode.snapshot:  # 06's snapshot gathers every rank's RNG state: an object collective, on each rank's GPU
+        assert (run.out / "snapshot.pt").exists()
     # Same global batch, same update, on the GPU too. cuDNN's convolution backward is not deterministic (atomic
     # adds), so two runs of the same script differ slightly and the differences grow with every step: compare
     # after a few steps only (after 30, 02 was already outside this tolerance on an H200).
-    for name, (_, weights) in runs.items():
-        for key, tensor in runs["01"][1].items():
-            torch.testing.assert_close(weights[key], tensor, rtol=1e-3, atol=1e-4, msg=f"{name}: {key}")
+    assert reference.failure is None, f"01, the reference: {reference.failure}"
+    for key, tensor in reference.weights.items():
+        torch.testing.assert_close(run.weights[key], tensor, rtol=1e-3, atol=1e-4, msg=f"{script}: {key}")
+
+
+@pytest.fixture(scope="module")
+def one_gpu_each(tmp_path_factory):
+    return train_at_once(ONE_GPU_EACH, tmp_path_factory.mktemp("one-gpu-each"), ONE_GPU_EACH_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("script", ONE_GPU_EACH)
+def test_trains_on_cuda_one_gpu_each(script, one_gpu_each):
+    check_run(one_gpu_each, script)
+    record = one_gpu_each[script].record
+    if by_script(script).batch.one_loader:  # DataParallel: one process, each GPU's own peak
+        per_gpu = record["epochs_detail"][0]["peak_memory_per_device"]
+        assert len(per_gpu) == GPU_COUNT and record["peak_memory_bytes"] == max(per_gpu)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Every two-ranks run, and 01's beside them: the reference of their updates."""
+    return train_at_once([REFERENCE, *TWO_RANKS], tmp_path_factory.mktemp("two-ranks"), TWO_RANKS_TIMEOUT_S)
+
+
+@pytest.mark.two_ranks
+@pytest.mark.parametrize("script", TWO_RANKS)
+def test_trains_as_two_ranks_on_gpu_0(script, two_ranks):
+    check_run(two_ranks, script)
 
 
 def test_a_training_step_never_waits_for_the_gpu(quick_mnist_dir):
@@ -87,55 +198,29 @@ def test_a_training_step_never_waits_for_the_gpu(quick_mnist_dir):
     assert synchronisations(12) == synchronisations(4)
 
 
-# ---- two ranks on one GPU: the multi-process CUDA paths on a machine with a single GPU (the GPU check runs them
-# as a step of their own: -m two_hosts)
+# ---- bench/measure/step_forms.py on CUDA: the whole step as one CUDA graph (the CPU: tests/unit/test_step_forms.py)
 
-def as_two_hosts(node_command, out, timeout=RUN_TIMEOUT_S):
-    """node_command(r) for r = 0, 1 at once, both on GPU 0 of this machine, each told by NCCL_HOSTID that it is a
-    host of its own: NCCL refuses two ranks of one host on one GPU ("Multiple Ranks are using the same GPU"), unless,
-    from NCCL 2.30 on, NCCL_MULTI_RANK_GPU_ENABLE=1; a host each works with every NCCL the suite admits, and the
-    ranks then talk as two machines' do. Returns rank 0's metrics record."""
-    out.mkdir()
-    node1 = start(node_command(1), env={**GPUS, "NCCL_HOSTID": "gpu-check-host-1"})
-    try:
-        run(node_command(0), timeout=timeout, env={**GPUS, "NCCL_HOSTID": "gpu-check-host-0"})
-        assert node1.wait(timeout=PEER_TIMEOUT_S) == 0, node1.communicate()
-    finally:
-        stop([node1])  # its group: node1.kill() would end torchrun's agent and leave its worker on the GPU
-    record = json.loads((out / "m.json").read_text())
-    assert (record["device_type"], record["world_size"], record["backend"]) == ("cuda", 2, "nccl"), record
-    return record
+def test_the_captured_step_updates_as_the_eager_one_and_follows_the_scheduler():
+    batches = step_forms.synthetic_batches(torch.device("cuda"))
+    check = step_forms.run_check(load_script(), torch.device("cuda"), batches)
+    assert check["matches"], check
+    assert check["before"]["lr"] == 1.0 and check["after"]["lr"] == pytest.approx(0.7)  # StepLR reached the graph
 
 
-def torchrun_node(script, rank, port, *args):
-    """One of two torchrun agents on this host, one process each: two "nodes" as 05 has them."""
-    return [*TORCHRUN, "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(rank), "--master_addr",
-            "127.0.0.1", "--master_port", str(port), script, *map(str, args)]
+def test_a_learning_rate_baked_into_the_graph_fails_the_check(monkeypatch):
+    """The check's power: with lr a float, StepLR changes the eager update only, and the check says so."""
+    def with_a_float_lr(model, lr):
+        return torch.optim.Adadelta(model.parameters(), lr=lr, capturable=True)
+    monkeypatch.setattr(step_forms, "capturable_adadelta", with_a_float_lr)
+    batches = step_forms.synthetic_batches(torch.device("cuda"))
+    check = step_forms.run_check(load_script(), torch.device("cuda"), batches)
+    assert check["before"]["within_tolerance"] and not check["after"]["within_tolerance"], check
+    assert check["after"]["largest_difference"] > 100 * step_forms.ATOL and not check["matches"]
 
 
-SHORT = ["--synthetic", "--max-steps", 20, "--log-interval", 0]
-
-
-@pytest.mark.two_hosts
-def test_05_trains_as_two_nodes_on_one_gpu(tmp_path):
-    port = free_port()
-    as_two_hosts(lambda r: script_command("05_multinode_mnist.py", "-n", 2, "-g", 1, "--nr", r, "--master-port",
-                                          port, *SHORT, "--metrics-json", tmp_path / "05" / "m.json"), tmp_path / "05")
-
-
-@pytest.mark.two_hosts
-def test_06_snapshots_gather_every_ranks_state_on_its_own_gpu(tmp_path):
-    """06's snapshot gathers the ranks' RNG states with an object collective: on the current device of each."""
-    port = free_port()
-    snapshot = tmp_path / "snapshot.pt"
-    as_two_hosts(lambda r: torchrun_node("06_fault_tolerant.py", r, port, *SHORT, "--snapshot", snapshot,
-                                         "--metrics-json", tmp_path / "06" / "m.json"), tmp_path / "06")
-    assert snapshot.exists()
-
-
-@pytest.mark.two_hosts
-def test_07_trains_with_lightning_as_two_nodes_on_one_gpu(tmp_path):
-    pytest.importorskip("lightning")
-    port = free_port()
-    as_two_hosts(lambda r: torchrun_node("07_lightning.py", r, port, *SHORT, "--devices", 1, "--num-nodes", 2,
-                                         "--metrics-json", tmp_path / "07" / "m.json"), tmp_path / "07")
+def test_each_step_form_is_timed_on_cuda(tmp_path):
+    """Eager and the CUDA graph (the GPU check's step forms times compile too)."""
+    assert step_forms.main(["--forms", "eager,graph", "--steps", "20", "--json", str(tmp_path / "f.json")]) == 0
+    result = json.loads((tmp_path / "f.json").read_text())
+    assert all(result["forms"][form]["samples_per_s"] > 0 for form in ("eager", "graph")), result
+    assert result["capture_check"]["matches"] and result["device"] == "cuda"

@@ -1,9 +1,12 @@
-"""The GPU check's test steps, collected by pytest as they run on a bare machine: between them every GPU test once,
-without pandas or matplotlib (the rest of the GPU check, in this process: tests/unit/test_gpu_check.py)."""
+"""The GPU check's steps, started as they run on a bare machine: the two test steps collected by pytest (between
+them every GPU test once, every numbered script among them, without pandas or matplotlib), the warm-up, and the
+step forms on the CPU (the rest of the GPU check, in this process: tests/unit/test_gpu_check.py)."""
+import json
+import re
 import sys
 
 from bench import gpu_check
-from helpers import run
+from helpers import SCRIPTS, run
 
 PY = sys.executable
 
@@ -15,13 +18,34 @@ def collected(argv, env):
     return {line for line in result.stdout.splitlines() if line.startswith("tests/integration/test_gpu.py::")}
 
 
-def test_the_two_test_steps_select_every_gpu_test_once_without_pandas_or_matplotlib(tmp_path):
+def test_the_two_test_steps_select_every_gpu_test_once_and_every_script_without_pandas_or_matplotlib(tmp_path):
     for name in ("pandas", "matplotlib"):  # a bare machine's Python: neither can be imported
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text(f"raise ImportError('no {name} on this machine')")
     env = {"PYTHONPATH": str(tmp_path)}
     argv = {name: argv for name, argv, _ in gpu_check.steps(str(tmp_path), False) if argv and "pytest" in argv}
-    tests, two_hosts = collected(argv["gpu tests"], env), collected(argv["two hosts"], env)
+    tests, two_ranks = collected(argv["gpu tests"], env), collected(argv["two ranks"], env)
     every = collected([PY, "-m", "pytest", "-q", "tests/integration/test_gpu.py", "--junitxml", "x.xml"], {})
-    assert tests and two_hosts and not tests & two_hosts and tests | two_hosts == every, (tests, two_hosts, every)
-    assert all("two_nodes" in t or "own_gpu" in t for t in two_hosts), two_hosts
+    assert tests and two_ranks and not tests & two_ranks and tests | two_ranks == every, (tests, two_ranks, every)
+    assert all("two_ranks" in t for t in two_ranks), two_ranks
+    # Each numbered script of bench/family.py trains in one of the two steps: a new one joins by its row alone.
+    trained = {re.search(r"\[(.*)\]", t).group(1) for t in tests | two_ranks if "[" in t}
+    assert trained == set(SCRIPTS), set(SCRIPTS) ^ trained
+    assert "09_tensor_parallel.py" in {t[t.index("[") + 1:-1] for t in two_ranks if "[" in t}  # on CUDA, 2 ranks
+
+
+def test_the_warm_up_imports_torch_and_starts_cuda_or_says_why_it_cannot(tmp_path):
+    steps = {cpu: dict((name, argv) for name, argv, _ in gpu_check.steps(str(tmp_path), cpu)) for cpu in (False, True)}
+    on_the_cpu = run(steps[True]["warm up"], timeout=120)
+    assert re.match(r"torch \S+, torchvision \S+, CUDA available: False; \d+ s", on_the_cpu.stdout), on_the_cpu.stdout
+    cuda = run(steps[False]["warm up"], timeout=120, check=False)  # here, without a GPU: the step fails, saying why
+    assert cuda.returncode != 0 and ("NVIDIA driver" in cuda.stderr or "CUDA" in cuda.stderr), cuda.stderr
+
+
+def test_the_step_forms_step_on_the_cpu_times_eager_and_says_why_the_graph_is_skipped(tmp_path):
+    argv = dict((name, argv) for name, argv, _ in gpu_check.steps(str(tmp_path), cpu=True))["step forms"]
+    # compile left out here: its first compilation takes a minute on a 2-core VM (the check's --cpu run has it)
+    result = run(argv + ["--forms", "eager,graph", "--warmup", "3", "--steps", "2"], timeout=180)
+    forms = json.loads((tmp_path / "step-forms.json").read_text())["forms"]
+    assert forms["eager"]["samples_per_s"] > 0 and forms["graph"]["skipped"].startswith("needs CUDA")
+    assert re.search(r"^graph +skipped: needs CUDA", result.stdout, re.M), result.stdout

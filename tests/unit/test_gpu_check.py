@@ -1,12 +1,12 @@
 """bench/gpu_check.py, the one command for a lent GPU machine: every step bounded, whatever one does, and all of
 it left in one log and one archive. Its steps are stand-ins here; `--cpu` runs the real ones on the CPU."""
+import re
 import sys
 import tarfile
 import time
 
-
 from bench import gpu_check
-from helpers import busy_note, slack
+from helpers import ROOT, busy_note, slack
 
 PY = sys.executable
 
@@ -66,7 +66,8 @@ def test_without_pytest_the_test_steps_are_skipped_and_the_check_is_not_a_pass(t
     monkeypatch.setattr(gpu_check.importlib.util, "find_spec",
                         lambda name: None if name == "pytest" else find_spec(name))
     real = {name: argv for name, argv, _ in gpu_check.steps(str(tmp_path), cpu=False)}
-    assert real["gpu tests"] is None and real["two hosts"] is None and real["doctor"] and real["sweep"]
+    assert real["gpu tests"] is None and real["two ranks"] is None
+    assert all(real[name] for name in ("warm up", "doctor", "step forms", "sweep"))
     monkeypatch.setattr(gpu_check, "steps", lambda work, cpu: [("passes", [PY, "-c", "pass"], 30),
                                                                ("gpu tests", None, 30)])
     assert gpu_check.main(["--out", str(tmp_path / "out")]) == 1
@@ -97,3 +98,51 @@ def test_every_step_is_bounded_with_a_third_to_spare_over_its_work_at_the_slowes
             assert work <= bound * 2 / 3, (name, work, bound)
         bounds = {name: limit for name, _, limit in gpu_check.steps("/w", cpu)}
         assert gpu_check.RUN_TIMEOUT_S["cpu" if cpu else "gpu"] < bounds["sweep"]
+
+
+def with_lightning(monkeypatch):
+    """Lightning installed, whether it is here or not: its runs make the two ranks step the longest it gets."""
+    find_spec = gpu_check.importlib.util.find_spec
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec",
+                        lambda name: object() if name == "lightning" else find_spec(name))
+
+
+def test_on_an_h200_the_whole_check_ends_within_one_device_call_whatever_hangs(monkeypatch):
+    """Every step cut at its bound, each with its grace: still within the one call, with SPARE_S to spare."""
+    with_lightning(monkeypatch)
+    bounds = [limit for _, _, limit in gpu_check.steps("/w", cpu=False)]
+    worst = sum(bounds) + len(bounds) * gpu_check.CUT_GRACE_S
+    assert worst == gpu_check.worst_case_s(cpu=False)
+    assert worst + gpu_check.SPARE_S <= gpu_check.CALL_S == 540, worst
+
+
+def test_the_warm_up_comes_first_and_imports_torch_and_torchvision_and_starts_cuda():
+    """A cold machine's first import of torch is slow: the doctor, bounded, must not be the one to pay for it."""
+    for cpu in (False, True):
+        planned = gpu_check.steps("/w", cpu)
+        assert [name for name, _, _ in planned] == ["warm up", "doctor", "gpu tests", "two ranks", "step forms",
+                                                   "sweep"]
+        warm_up = planned[0][1]
+        assert "import torch, torchvision" in warm_up[2] and "torch.cuda.init()" in warm_up[2]
+        assert warm_up[3] == ("cpu" if cpu else "cuda")  # the CPU check starts no CUDA
+
+
+def test_the_step_forms_step_writes_its_json_into_the_archive_and_on_the_cpu_takes_few_steps():
+    for cpu in (False, True):
+        argv = dict((name, argv) for name, argv, _ in gpu_check.steps("/w", cpu))["step forms"]
+        assert argv[1:3] == ["-m", "bench.measure.step_forms"] and argv[-2:] == ["--json", "/w/step-forms.json"]
+        assert ("--cpu" in argv) == cpu and ("--steps" in argv) == cpu
+
+
+def test_the_docstring_and_docs_benchmark_md_give_each_steps_projected_work_and_bound(monkeypatch):
+    """On one H200 with Lightning: the module's own docstring, and the GPU check's table in docs/benchmark.md."""
+    with_lightning(monkeypatch)
+    table = (ROOT / "docs" / "benchmark.md").read_text()
+    for name, (work, bound) in gpu_check.projected(cpu=False).items():
+        line = f"{round(work)} / {bound} s"
+        assert re.search(rf"^    {name} .* {line}$", gpu_check.__doc__, re.M), (name, line)
+        assert re.search(rf"^\| {name} \|.*\| {round(work)} s \| {bound} s \|$", table, re.M), (name, line)
+    worst = gpu_check.worst_case_s(cpu=False)
+    total = worst - len(gpu_check.STEPS) * gpu_check.CUT_GRACE_S
+    for text in (gpu_check.__doc__, table):
+        assert f"up to {total} s" in text and f"{worst} s whatever hangs" in text
