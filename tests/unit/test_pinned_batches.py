@@ -27,13 +27,6 @@ def pinned_on_cuda(monkeypatch):
     return pinned
 
 
-def text_rows(folder, rows=12):
-    """train.csv of the worked copies: "label,token ids"."""
-    (folder / "train.csv").write_text("".join(f"{i % 4},{' '.join(map(str, range(1, 2 + i % 5)))}\n"
-                                              for i in range(rows)))
-    return rows
-
-
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_data_kept_on_the_device_is_never_pinned(script, quick_mnist_dir, pinned_on_cuda):
     module = load_script(script)
@@ -43,14 +36,19 @@ def test_data_kept_on_the_device_is_never_pinned(script, quick_mnist_dir, pinned
     assert pinned_on_cuda == [], f"{script} pins the batches of a Dataset that lives on the GPU"
 
 
+def copy_loader(copy, folder, rows=12, batch_size=4):
+    """The worked copy's training loader, as its load_data makes it, over `rows` rows of train.csv in folder."""
+    module = load_script(copy)
+    (folder / "train.csv").write_text("".join(f"{i % 4},{' '.join(map(str, range(1, 2 + i % 5)))}\n"
+                                              for i in range(rows)))
+    args = module.parse_args(["--data-dir", str(folder)])
+    return module.batches(module.CSVText(args, True, CPU), list(range(rows)), batch_size, args.seed)
+
+
 @pytest.mark.parametrize("copy", COPIES)
 def test_a_copiers_batches_from_files_are_pinned_on_cuda(copy, tmp_path, pinned_on_cuda):
-    module = load_script(copy)
-    rows = text_rows(tmp_path)
-    args = module.parse_args(["--data-dir", str(tmp_path)])
-    loader = module.batches(module.CSVText(args, True, CPU), list(range(rows)), 4, args.seed)
-    batches = list(loader)  # through its 2 workers, then the pinning thread
-    assert len(batches) == rows // 4
+    batches = list(copy_loader(copy, tmp_path, rows=12, batch_size=4))  # its 2 workers, then the pinning thread
+    assert len(batches) == 3
     for batch in batches:
         assert all(any(tensor is pinned for pinned in pinned_on_cuda) for tensor in batch), f"{copy}: not pinned"
 
@@ -58,10 +56,7 @@ def test_a_copiers_batches_from_files_are_pinned_on_cuda(copy, tmp_path, pinned_
 @pytest.mark.parametrize("copy", COPIES)
 def test_a_copiers_batches_are_not_pinned_without_cuda(copy, tmp_path, recwarn):
     """On the CPU (or a Mac) pinning is of no use, and the DataLoader warns: the copies do not ask for it."""
-    module = load_script(copy)
-    rows = text_rows(tmp_path)
-    args = module.parse_args(["--data-dir", str(tmp_path)])
-    loader = module.batches(module.CSVText(args, True, CPU), list(range(rows)), 4, args.seed)
+    loader = copy_loader(copy, tmp_path)
     assert loader.pin_memory is False
     next(iter(loader))
     assert not [w for w in recwarn if "pin_memory" in str(w.message)]
