@@ -232,8 +232,7 @@ class MNISTModule(L.LightningModule):  # Lightning: 03's train_epoch, evaluate a
         self.world = world = SimpleNamespace(
             device=trainer.strategy.root_device, rank=trainer.global_rank,
             world_size=trainer.world_size, is_main=trainer.is_global_zero)
-        world.nodes = trainer.num_nodes  # measure: the record's, as is the backend (1 device: none)
-        world.backend = dist.get_backend() if dist.is_initialized() else None  # measure
+        world.nodes = trainer.num_nodes  # measure: the record's
         torch.manual_seed(args.seed + world.rank)  # DDP: its own dropout; DDP copies rank 0's
         self.train_batches, self.test_batches = load_data(args, world.rank, world.world_size,
                                                           world.device)  # DDP: this rank's share
@@ -317,91 +316,82 @@ def run(args, trainer):
                  f"{(str(e) or type(e).__name__).splitlines()[0]}")
 
 
-# ---- Measurement, for the benchmark in bench/ only. A copier may delete from here down to -----
-# `if __name__`, and the lines above marked "# measure": the script still trains.
-MODE = "lightning"  # Lightning
+class Timed(L.Callback):  # Lightning: timed() and write_record() in the Trainer's hooks  # measure
+    def __init__(self, args):  # measure
+        self.args, self.epochs = args, []  # measure
+
+    def on_train_batch_start(self, trainer, module, batch, step):  # measure
+        self.starts = [] if step == 0 else self.starts  # measure: of the warm-up steps, as timed()
+        if step <= (0 if self.epochs else WARMUP_STEPS):  # measure
+            self.starts.append(clock(module.world.device))  # measure
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, step):  # measure
+        if step + 1 == trainer.num_training_batches:  # measure: the epoch's last step
+            epoch = timing(module.world, self.starts, step + 1, len(batch[1]))  # measure
+            self.epochs.append(epoch)  # measure
+
+    def on_train_epoch_end(self, trainer, module):  # measure: after the epoch's evaluation
+        self.epochs[-1].update(epoch=trainer.current_epoch + 1, **module.test,  # measure
+                               train_loss=module.train_loss)  # measure
+
+    def on_fit_end(self, trainer, module):  # measure
+        write_record(self.args.metrics_json, self.args, module.world, self.epochs)  # measure
+
+
+# ---- Measurement, for bench/ alone: delete it to `if __name__`, and the lines marked # measure.
 WARMUP_STEPS = 5  # left out of samples_per_s: the first steps pay for allocation and kernel choice
 
 
-def random_mnist(seed, train, device):
-    """--synthetic: random data of MNIST's shapes and sizes, to time without a download."""
+def random_mnist(seed, train, device):  # --synthetic: MNIST's shapes and sizes, no download
     rng = torch.Generator().manual_seed(seed)
-    n = 60000 if train else 10000
-    images = torch.randn(n, 1, 28, 28, generator=rng)
-    return images.to(device), torch.randint(0, 10, (n,), generator=rng).to(device)
+    images = torch.randn(60000 if train else 10000, 1, 28, 28, generator=rng)
+    return images.to(device), torch.randint(0, 10, (len(images),), generator=rng).to(device)
 
 
-def clock(device):
-    """Seconds, read once the device has done its work: GPU work is queued, not yet done."""
+def clock(device):  # seconds once the device is done: GPU work is queued, not yet done
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
     return time.perf_counter()
 
 
-class Timed(L.Callback):  # Lightning: 03's timed(), in the hooks around each step
-    """Times each epoch's steps, adds the epoch's results, and writes the record at the end."""
-
-    def __init__(self, args):
-        self.args, self.epochs = args, []
-
-    def on_train_batch_start(self, trainer, module, batch, step):
-        device = module.world.device
-        warmup = 0 if self.epochs else WARMUP_STEPS  # the first epoch's first steps
-        if step == 0:
-            self.starts = []  # of the warm-up steps and of the first timed one: at least one
-            if warmup and device.type != "cpu":
-                torch.accelerator.reset_peak_memory_stats(device)  # training's, not loading's
-        if step <= warmup:
-            self.starts.append(clock(device))  # warm-up steps wait for the device; later ones never
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, step):
-        if step + 1 < trainer.num_training_batches:
-            return
-        world, device, starts = module.world, module.world.device, self.starts
-        end = clock(device)
-        peak = None if device.type == "cpu" else torch.accelerator.max_memory_allocated(device)
-        steps, batch = step + 1, len(batch[1]) * world.world_size  # DDP: the batches of all ranks
-        seconds = torch.tensor([end - starts[0], end - starts[-1]], device=device)  # float32: MPS
-        seconds = trainer.strategy.reduce(seconds, reduce_op="max")  # Lightning: all_reduce
-        seconds = seconds.tolist()  # DDP: in the time of the slowest rank
-        self.epochs.append(dict(steps=steps, train_samples=steps * batch,
-                                steady_samples=(steps - len(starts) + 1) * batch,
-                                train_time_s=seconds[0], steady_time_s=seconds[1],
-                                peak_memory_bytes=peak))  # peak: None on the CPU
-
-    def on_train_epoch_end(self, trainer, module):  # after the epoch's evaluation
-        self.epochs[-1].update(epoch=trainer.current_epoch + 1, train_loss=module.train_loss,
-                               **module.test)
-
-    def on_fit_end(self, trainer, module):
-        write_record(self.args.metrics_json, self.args, module.world, self.epochs)
+def timed(train_batches, world, epochs):  # the same batches; appends the epoch's timing to epochs
+    starts = []  # of the warm-up steps and of the first timed one: at least one step is timed
+    for step, (inputs, labels) in enumerate(train_batches):
+        if step <= (0 if epochs else WARMUP_STEPS):  # warm-up: the first epoch's first steps
+            starts.append(clock(world.device))  # these wait for the device; later steps never do
+        yield inputs, labels
+    epochs.append(timing(world, starts, step + 1, len(labels)))
 
 
-def write_record(path, args, world, epochs):
-    """Prints the throughput and writes the run's record (keys are added, never renamed)."""
+def timing(world, starts, steps, batch):  # the samples of all ranks, in the slowest rank's time
+    seconds = [clock(world.device) - start for start in (starts[0], starts[-1])]  # all, steady
+    if torch.distributed.is_initialized():
+        seconds = torch.tensor(seconds, dtype=torch.float64, device=world.device)
+        torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
+    batch *= getattr(world, "data_ranks", world.world_size)  # ranks that share a batch count once
+    peaks = [torch.accelerator.max_memory_allocated(d) if d.type != "cpu" else None
+             for d in getattr(world, "devices", [world.device])]  # 02: one per GPU
+    return dict(steps=steps, train_samples=steps * batch, train_time_s=float(seconds[0]),
+                steady_samples=(steps - len(starts) + 1) * batch, steady_time_s=float(seconds[1]),
+                peak_memory_bytes=max(peaks), peak_memory_per_device=peaks)  # on the CPU: None
+
+
+def write_record(path, args, world, epochs):  # what only the run knows; bench/ adds its command
     if not world.is_main:
         return
-    device = world.device
-    totals = {key: sum(e[key] for e in epochs)
-              for key in ["steps", "train_samples", "steady_samples", "steady_time_s"]}
+    chips, last, group = getattr(world, "devices", [world.device]), epochs[-1], world.world_size
+    sums = {k: sum(e[k] for e in epochs) for k in ["steps", "steady_samples", "steady_time_s"]}
     record = dict(
-        schema=1, script=os.path.basename(__file__), mode=MODE, device_type=device.type,
-        device_names=[torch.cuda.get_device_name() if device.type == "cuda" else device.type],
-        world_size=world.world_size, nodes=world.nodes, backend=world.backend,  # Lightning: setup()
-        threads=torch.get_num_threads(),
-        per_device_batch=args.batch_size,
-        global_batch=args.batch_size * world.world_size,
-        lr=args.lr, epochs=len(epochs),
-        **totals,
-        samples_per_s=totals["steady_samples"] / totals["steady_time_s"],
-        epochs_detail=epochs,
-        test_accuracy=epochs[-1]["test_accuracy"], test_loss=epochs[-1]["test_loss"],
-        peak_memory_bytes=epochs[-1]["peak_memory_bytes"],  # the peak since training began
-        synthetic=args.synthetic, torch_version=torch.__version__, argv=sys.argv,
-    )
-    note = " (synthetic data: the accuracy means nothing)" if args.synthetic else ""
-    print(f"{MODE}: {record['samples_per_s']:.0f} samples/s, world size {world.world_size}, "
-          f"{device}{note}")
+        schema=1, device_type=world.device.type, world_size=group * len(chips), **sums,
+        device_names=[torch.cuda.get_device_name(d) if d.type == "cuda" else d.type for d in chips],
+        nodes=getattr(world, "nodes", group // int(os.environ.get("LOCAL_WORLD_SIZE", group))),
+        backend=torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+        threads=torch.get_num_threads(), global_batch=last["train_samples"] // last["steps"],
+        train_samples=sum(e["train_samples"] for e in epochs), epochs_detail=epochs,
+        samples_per_s=sums["steady_samples"] / sums["steady_time_s"], test_loss=last["test_loss"],
+        test_accuracy=last["test_accuracy"], peak_memory_bytes=last["peak_memory_bytes"])
+    print(f"{os.path.basename(__file__)}: {record['samples_per_s']:.0f} samples/s, world size "
+          f"{record['world_size']}, {world.device}{', random data' if args.synthetic else ''}")
     if path:  # whole or not at all: renamed once written
         with open(f"{path}.tmp", "w") as f:
             json.dump(record, f, indent=2)

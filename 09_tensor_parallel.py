@@ -187,11 +187,9 @@ def train_epoch(model, train_batches, optimizer, args, world, epoch):
     model.train()
     loss_sum = torch.zeros((), device=world.device)  # float32: MPS has no float64
     for step, (inputs, labels) in enumerate(train_batches):
-        inputs = inputs.to(world.device, non_blocking=True)  # no-op if there already; from the
-        labels = labels.to(world.device, non_blocking=True)  # host, the CPU goes on during the copy
         optimizer.zero_grad(set_to_none=True)
-        output = model(inputs)
-        loss = F.cross_entropy(output, labels)
+        output = model(inputs.to(world.device, non_blocking=True))  # no-op if there already
+        loss = F.cross_entropy(output, labels.to(world.device, non_blocking=True))
         loss.backward()
         optimizer.step()
         loss_sum += loss.detach()  # summed on the device: no waiting for the GPU
@@ -224,6 +222,7 @@ def run(args, world):
     if world.local_rank != 0:
         dist.barrier()  # DDP: one process per machine makes the files (MNIST: a download) first
     training, testing = load_data(args, 0, 1, world.device)  # TP: 01's batches, on every rank
+    world.data_ranks = 1  # TP: the record counts each shared batch once  # measure
     if world.local_rank == 0:
         dist.barrier()  # DDP: the files are there
     net = Net(dropout=not args.no_dropout).to(world.device)
@@ -257,89 +256,72 @@ def run(args, world):
     write_record(args.metrics_json, args, world, epochs)  # measure
 
 
-# ---- Measurement, for the benchmark in bench/ only. A copier may delete from here down to -----
-# `if __name__`, and the lines above marked "# measure": the script still trains.
-MODE = "tensor_parallel"  # TP
+def held_bytes(model, optimizer, world):  # FSDP: what each rank holds, and DDP's copy  # measure
+    tensors = [t for p in model.parameters()  # measure: weights, gradients, optimizer state
+               for t in [p, p.grad, *optimizer.state[p].values()]  # measure
+               if t.dim()]  # TP: all but Adadelta's step counts  # measure
+    held = torch.zeros(world.world_size, dtype=torch.int64, device=world.device)  # measure
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]  # measure  # TP
+    held[dist.get_rank()] = sum(t.nbytes for t in local)  # TP: slices, whole convs  # measure
+    dist.all_reduce(held)  # measure: every rank's, for rank 0's record
+    full = sum(t.numel() * t.element_size() for t in tensors)  # measure: a DTensor's is the whole's
+    return dict(bytes_per_rank=held.tolist(), full_copy_bytes=full)  # measure
+
+
+# ---- Measurement, for bench/ alone: delete it to `if __name__`, and the lines marked # measure.
 WARMUP_STEPS = 5  # left out of samples_per_s: the first steps pay for allocation and kernel choice
 
 
-def random_mnist(seed, train, device):
-    """--synthetic: random data of MNIST's shapes and sizes, to time without a download."""
+def random_mnist(seed, train, device):  # --synthetic: MNIST's shapes and sizes, no download
     rng = torch.Generator().manual_seed(seed)
-    n = 60000 if train else 10000
-    images = torch.randn(n, 1, 28, 28, generator=rng)
-    return images.to(device), torch.randint(0, 10, (n,), generator=rng).to(device)
+    images = torch.randn(60000 if train else 10000, 1, 28, 28, generator=rng)
+    return images.to(device), torch.randint(0, 10, (len(images),), generator=rng).to(device)
 
 
-def clock(device):
-    """Seconds, read once the device has done its work: GPU work is queued, not yet done."""
+def clock(device):  # seconds once the device is done: GPU work is queued, not yet done
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
     return time.perf_counter()
 
 
-def timed(train_batches, world, epochs):
-    """The same batches, timing the steps between them; appends the epoch's timing to epochs."""
-    device = world.device
-    warmup = 0 if epochs else WARMUP_STEPS  # the first epoch's first steps
-    if warmup and device.type != "cpu":
-        torch.accelerator.reset_peak_memory_stats(device)  # the peak of training, not loading
+def timed(train_batches, world, epochs):  # the same batches; appends the epoch's timing to epochs
     starts = []  # of the warm-up steps and of the first timed one: at least one step is timed
     for step, (inputs, labels) in enumerate(train_batches):
-        if step <= warmup:
-            starts.append(clock(device))  # warm-up steps wait for the device; later ones never
+        if step <= (0 if epochs else WARMUP_STEPS):  # warm-up: the first epoch's first steps
+            starts.append(clock(world.device))  # these wait for the device; later steps never do
         yield inputs, labels
-    end = clock(device)
-    peak = None if device.type == "cpu" else torch.accelerator.max_memory_allocated(device)
-    steps, batch = step + 1, len(labels)  # TP: all ranks trained on this one batch
-    seconds = torch.tensor([end - starts[0], end - starts[-1]], dtype=torch.float64, device=device)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # DDP: in the time of the slowest rank
-    seconds = seconds.tolist()
-    epochs.append(dict(steps=steps, train_samples=steps * batch,
-                       steady_samples=(steps - len(starts) + 1) * batch, train_time_s=seconds[0],
-                       steady_time_s=seconds[1], peak_memory_bytes=peak))  # peak: None on the CPU
+    epochs.append(timing(world, starts, step + 1, len(labels)))
 
 
-def held_bytes(model, optimizer, world):  # FSDP
-    """Bytes of weights, gradients and optimizer state: each rank's shards, and DDP's whole copy."""
-    tensors = [t for p in model.parameters() for t in [p, p.grad, *optimizer.state[p].values()]
-               if t.dim()]  # TP: all but Adadelta's step counts, one number each
-    held = torch.zeros(world.world_size, dtype=torch.int64, device=world.device)
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]  # TP: convs whole
-    held[dist.get_rank()] = sum(t.nbytes for t in local)  # TP: this rank's slices and copies
-    dist.all_reduce(held)  # every rank's, for rank 0's record
-    full = sum(t.numel() * t.element_size() for t in tensors)  # a DTensor's numel() is the whole's
-    return dict(bytes_per_rank=held.tolist(), full_copy_bytes=full)
+def timing(world, starts, steps, batch):  # the samples of all ranks, in the slowest rank's time
+    seconds = [clock(world.device) - start for start in (starts[0], starts[-1])]  # all, steady
+    if torch.distributed.is_initialized():
+        seconds = torch.tensor(seconds, dtype=torch.float64, device=world.device)
+        torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
+    batch *= getattr(world, "data_ranks", world.world_size)  # ranks that share a batch count once
+    peaks = [torch.accelerator.max_memory_allocated(d) if d.type != "cpu" else None
+             for d in getattr(world, "devices", [world.device])]  # 02: one per GPU
+    return dict(steps=steps, train_samples=steps * batch, train_time_s=float(seconds[0]),
+                steady_samples=(steps - len(starts) + 1) * batch, steady_time_s=float(seconds[1]),
+                peak_memory_bytes=max(peaks), peak_memory_per_device=peaks)  # on the CPU: None
 
 
-def write_record(path, args, world, epochs):
-    """Prints the throughput and writes the run's record (keys are added, never renamed)."""
+def write_record(path, args, world, epochs):  # what only the run knows; bench/ adds its command
     if not world.is_main:
         return
-    device = world.device
-    totals = {key: sum(e[key] for e in epochs)
-              for key in ["steps", "train_samples", "steady_samples", "steady_time_s"]}
+    chips, last, group = getattr(world, "devices", [world.device]), epochs[-1], world.world_size
+    sums = {k: sum(e[k] for e in epochs) for k in ["steps", "steady_samples", "steady_time_s"]}
     record = dict(
-        schema=1, script=os.path.basename(__file__), mode=MODE, device_type=device.type,
-        device_names=[torch.cuda.get_device_name() if device.type == "cuda" else device.type],
-        world_size=world.world_size, backend=dist.get_backend(),  # DDP
-        nodes=world.world_size // int(os.environ["LOCAL_WORLD_SIZE"]),  # DDP: as torchrun counts
-        threads=torch.get_num_threads(),
-        per_device_batch=args.batch_size,
-        global_batch=args.batch_size,  # TP: one batch, B, shared by all ranks
-        lr=args.lr, epochs=len(epochs),
-        **totals,
-        samples_per_s=totals["steady_samples"] / totals["steady_time_s"],
-        epochs_detail=epochs,
-        test_accuracy=epochs[-1]["test_accuracy"], test_loss=epochs[-1]["test_loss"],
-        peak_memory_bytes=epochs[-1]["peak_memory_bytes"],  # the peak since training began
-        synthetic=args.synthetic, torch_version=torch.__version__, argv=sys.argv,
-        bytes_per_rank=epochs[-1]["bytes_per_rank"],  # FSDP: weights, grads, optimizer state
-        full_copy_bytes=epochs[-1]["full_copy_bytes"],  # FSDP: the same held by each DDP rank
-    )
-    note = " (synthetic data: the accuracy means nothing)" if args.synthetic else ""
-    print(f"{MODE}: {record['samples_per_s']:.0f} samples/s, world size {world.world_size}, "
-          f"{device}{note}")
+        schema=1, device_type=world.device.type, world_size=group * len(chips), **sums,
+        device_names=[torch.cuda.get_device_name(d) if d.type == "cuda" else d.type for d in chips],
+        nodes=getattr(world, "nodes", group // int(os.environ.get("LOCAL_WORLD_SIZE", group))),
+        backend=torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+        threads=torch.get_num_threads(), global_batch=last["train_samples"] // last["steps"],
+        train_samples=sum(e["train_samples"] for e in epochs), epochs_detail=epochs,
+        samples_per_s=sums["steady_samples"] / sums["steady_time_s"], test_loss=last["test_loss"],
+        test_accuracy=last["test_accuracy"], peak_memory_bytes=last["peak_memory_bytes"])
+    print(f"{os.path.basename(__file__)}: {record['samples_per_s']:.0f} samples/s, world size "
+          f"{record['world_size']}, {world.device}{', random data' if args.synthetic else ''}")
     if path:  # whole or not at all: renamed once written
         with open(f"{path}.tmp", "w") as f:
             json.dump(record, f, indent=2)

@@ -37,7 +37,8 @@ LIMIT_VIEW = dict(variant="variant", mode="mode", n="n", per_device_batch="B", s
 def read_and_summarize(out_dir):
     runs = pd.read_csv(os.path.join(out_dir, "runs.csv"), keep_default_na=False, na_values=[""])
     records = [read_json(os.path.join(out_dir, path), {}) for path in runs["metrics_path"]]
-    runs["held_mib"] = [max(r.get("bytes_per_rank") or [math.nan]) / 2**20 for r in records]  # the fullest rank
+    held = [(r.get("epochs_detail") or [r])[-1].get("bytes_per_rank") or [math.nan] for r in records]
+    runs["held_mib"] = [max(each) / 2**20 for each in held]  # the fullest rank
     summary = summarize(runs).merge(runs.groupby(KEYS, as_index=False)["held_mib"].max(), on=KEYS, how="left")
     write_atomically(os.path.join(out_dir, "summary.csv"), lambda tmp: summary.to_csv(tmp, index=False))
     return runs, summary

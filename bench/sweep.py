@@ -1,5 +1,6 @@
 """The sweep itself: each planned run started as a user would, timed, bounded, and its row of runs.csv."""
 import dataclasses
+import importlib.metadata
 import itertools
 import os
 import pathlib
@@ -11,8 +12,8 @@ from datetime import datetime, timedelta, timezone
 from bench import plan
 from bench.checks import advice, busy, gpu_usage
 from bench.commands import as_typed, commands
-from bench.family import MODES
-from bench.outputs import read_json
+from bench.family import LR, MODES
+from bench.outputs import read_json, write_json
 from bench.processes import log_tail, run_processes
 from bench.runs_csv import RECORD_COLUMNS, write_runs
 
@@ -21,6 +22,14 @@ def time_to_target(record, target):
     epochs = record.get("epochs_detail", [])
     elapsed = itertools.accumulate(epoch["train_time_s"] for epoch in epochs)
     return next((t for t, epoch in zip(elapsed, epochs) if epoch["test_accuracy"] >= target), None)
+
+
+def completed(record, run, settings, argv):
+    """The run's record with what the harness's command says: a script writes only what the run knows."""
+    lr = float(argv[argv.index("--lr") + 1]) if "--lr" in argv else LR
+    return {**record, "script": MODES[run.mode].script, "mode": run.mode, "lr": lr, "epochs": settings.epochs,
+            "per_device_batch": run.per_device_batch, "synthetic": settings.synthetic, "argv": argv,
+            "torch_version": importlib.metadata.version("torch")}
 
 
 def status(code, timed_out, record, settings, timeout):
@@ -49,11 +58,13 @@ def run_one(run, settings, out_dir):
     code, timed_out = run_processes(cmds, logs, timeout)
     wall = round(time.monotonic() - t0, 2)
     shutil.rmtree(snapshots, ignore_errors=True)
-    record = read_json(metrics)
+    argv, record = cmds[0][1], read_json(metrics)
+    if record:  # completed once, where it lies: the report and a reader of metrics/ see one record
+        record = completed(record, run, settings, argv)
+        write_json(metrics, record)
     state, error = status(code, timed_out, record, settings, timeout)
     if state != "ok":
         error = f"{error}; {advice(log_tail(logs, lines=40))}"
-    argv = cmds[0][1]
     reached = time_to_target(record, settings.target_acc) if record and not record.get("synthetic") else None
     return dict(dataclasses.asdict(run), run_id=run.run_id, status=state, exit_code=code, error=error, wall_s=wall,
                 busy_before=in_use, timeout_s=round(timeout),

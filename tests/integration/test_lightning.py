@@ -65,11 +65,9 @@ def test_metrics_record_has_01s_keys_and_meanings(same_steps):
     single, record = same_steps["01"].record, same_steps["07"].record
     assert record.keys() == single.keys()
     assert all(e.keys() == single["epochs_detail"][0].keys() for e in record["epochs_detail"])
-    assert (record["mode"], record["script"]) == ("lightning", SCRIPT)
     assert (record["world_size"], record["nodes"], record["backend"]) == (2, 1, "gloo")
     assert record["threads"] == max(1, cores() // 2)  # Lightning's share of the cores
-    assert record["lr"] == single["lr"]
-    assert record["per_device_batch"] * 2 == record["global_batch"] == 2 * B
+    assert record["global_batch"] == 2 * B
     assert record["train_samples"] == record["steps"] * record["global_batch"]
     # Two warm-up steps (5, capped so one step is timed) are left out of epoch 1 only, as in 01.
     assert record["steady_samples"] == record["train_samples"] - 2 * record["global_batch"]

@@ -496,6 +496,7 @@ def test_the_record_takes_the_time_of_the_slowest_rank(script, tmp_path, monkeyp
         tensor.copy_(combine(tensor, other_rank))
     monkeypatch.setattr(module.dist, "all_reduce", all_reduce)
     monkeypatch.setattr(module.dist, "get_backend", lambda: "gloo")  # what the record asks of the group
+    monkeypatch.setattr(module.dist, "is_initialized", lambda: True)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # one node of two processes, as torchrun would say
     world = SimpleNamespace(rank=0, world_size=2, device=torch.device("cpu"), is_main=True, local_rank=0)
     steps, batch = module.WARMUP_STEPS + 3, 4

@@ -135,7 +135,7 @@ def copy_of_the_docs(tmp_path):
 def test_a_stale_diff_is_caught(copy_of_the_docs):
     root = copy_of_the_docs
     script = root / "04_ddp_spawn.py"  # an edit the docs have not seen, on a line far from every excerpt
-    script.write_text(script.read_text().replace('"""Seconds, read', '"""Seconds (edited), read', 1))
+    script.write_text(script.read_text().replace("# seconds once", "# seconds (edited) once", 1))
     (root / "docs" / "diffs" / "01_single_gpu--99_gone.md").write_text("a pair that no longer exists\n")
     result = script_diffs(root, "--check")
     assert result.returncode == 1

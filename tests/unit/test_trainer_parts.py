@@ -106,6 +106,7 @@ def test_the_slowest_rank_sets_the_clock_and_the_sums_cover_every_rank(monkeypat
         assert op == dist.ReduceOp.MAX, "only the time needs the other ranks: every rank trains as many samples"
         tensor += 5.0
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # a group of two, as torchrun would start
     world = SimpleNamespace(device=torch.device("cpu"), world_size=2)
     epoch = timed_epochs("03_ddp_launch.py", FakeClock(lambda step: 1.0), world, steps=8,
                          monkeypatch=monkeypatch)[0]
