@@ -45,9 +45,7 @@ disable_possible_user_warnings()
 warnings.filterwarnings("ignore", ".*LeafSpec.*", FutureWarning)  # torch is newer than Lightning
 
 
-class Net(nn.Module):
-    """The classic PyTorch MNIST CNN (about 1.2 M parameters)."""
-
+class Net(nn.Module):  # the classic PyTorch MNIST CNN, about 1.2 M parameters
     def __init__(self, dropout=True):
         super().__init__()
         self.conv1 = nn.Conv2d(1, 32, 3, 1)
@@ -71,8 +69,7 @@ class Net(nn.Module):
         return self.fc2(x)
 
 
-def in_range(low, high=float("inf"), cast=int):
-    """An argparse type: a number from low up to, not including, high (NaN is in no range)."""
+def in_range(low, high=float("inf"), cast=int):  # an argparse type: low <= x < high, never NaN
     def number(text):
         if not low <= cast(text) < high:
             raise argparse.ArgumentTypeError(f"must be in [{low}, {high}), got {text}")
@@ -80,8 +77,7 @@ def in_range(low, high=float("inf"), cast=int):
     return number
 
 
-def writable(path):
-    """An argparse type: a file we can write, tried now by writing beside it, before any work."""
+def writable(path):  # an argparse type: a file we can write, tried now by writing beside it
     try:
         tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))).close()
     except OSError as e:
@@ -91,8 +87,7 @@ def writable(path):
     return path
 
 
-def parse_args(argv=None):
-    """The flags, each checked as it is read: a bad value must not cost a run."""
+def parse_args(argv=None):  # each flag checked as it is read: a bad value must not cost a run
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
                                 exit_on_error=False)
     p.add_argument("--data-dir", default="data", help="the data's folder")
@@ -155,9 +150,7 @@ def setup(args):
         enable_progress_bar=False, enable_model_summary=False)
 
 
-class MNIST(Dataset):
-    """One split of MNIST (fetched if missing), kept on the device: no input pipeline to time."""
-
+class MNIST(Dataset):  # one split, fetched if missing, kept on the device: no input pipeline
     def __init__(self, args, train, device):
         if args.synthetic:  # measure
             self.images, self.labels = random_mnist(args.seed + train, train, device)  # measure
@@ -184,28 +177,24 @@ def collate(batch):
     return batch  # MNIST's __getitems__ made it already
 
 
-def batches(dataset, rows, batch_size, seed):
-    """A DataLoader of these rows, in this order, batch_size at a time (the last may be short)."""
+def batches(dataset, rows, batch_size, seed):  # these rows in this order; the last may be short
     seeds = torch.Generator().manual_seed(seed)  # the workers' seeds: not from dropout's RNG
     return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, generator=seeds,
                       num_workers=0, pin_memory=False)  # files: 2-8 workers, pinned on CUDA
 
 
 def load_data(args, rank, world_size, device):
-    """This rank's data: training(epoch), its share of the epoch's full batches, a new shuffle each
-    epoch, and testing(), its share of the test set, every row on one rank, none repeated."""
+    """This rank's share: training(epoch)'s full batches, reshuffled; testing()'s rows, once."""
     train_set, test_set = MNIST(args, True, device), MNIST(args, False, device)
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
     test_rows = range(rank, len(test_set), world_size)  # a sampler would pad with repeated rows
     steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))  # full batches
     if steps == 0:
         sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(sampler)} samples")
-
     def training(epoch):
         sampler.set_epoch(epoch)  # a new shuffle of all the training samples every epoch
         order = list(sampler)[:steps * args.batch_size]
         return batches(train_set, order, args.batch_size, args.seed + epoch)
-
     def testing():
         return batches(test_set, test_rows, args.test_batch_size, args.seed)
     return training, testing
