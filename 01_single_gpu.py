@@ -172,13 +172,14 @@ def run(args, world):
     torch.manual_seed(args.seed)
     training, testing = load_data(args, world.rank, world.world_size, world.device)
     net = Net(dropout=not args.no_dropout).to(world.device)
-    optimizer = torch.optim.Adadelta(net.parameters(), lr=args.lr)
+    model = net
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     epochs = []  # measure: each epoch's timing and results
     for epoch in range(1, args.epochs + 1):
         train_batches = training(epoch)
         train_batches = timed(train_batches, world, epochs)  # measure
-        train_loss = train_epoch(net, train_batches, optimizer, args, world, epoch)
+        train_loss = train_epoch(model, train_batches, optimizer, args, world, epoch)
         test = evaluate(net, testing(), world)
         epochs[-1].update(epoch=epoch, train_loss=train_loss, **test)  # measure
         scheduler.step()
