@@ -17,9 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
-class Net(nn.Module):
-    """A bag of words: the mean of a row's token embeddings (ids 1-999; 0 pads), 4 classes."""
-
+class Net(nn.Module):  # a bag of words: the mean of a row's token embeddings, 4 classes
     def __init__(self, dropout=True):
         super().__init__()
         self.embed = nn.EmbeddingBag(1000, 64, mode="mean", padding_idx=0)  # 0: not in the mean
@@ -30,8 +28,7 @@ class Net(nn.Module):
         return self.fc(self.dropout(self.embed(x)))
 
 
-def in_range(low, high=float("inf"), cast=int):
-    """An argparse type: a number from low up to, not including, high (NaN is in no range)."""
+def in_range(low, high=float("inf"), cast=int):  # an argparse type: low <= x < high, never NaN
     def number(text):
         if not low <= cast(text) < high:
             raise argparse.ArgumentTypeError(f"must be in [{low}, {high}), got {text}")
@@ -39,8 +36,7 @@ def in_range(low, high=float("inf"), cast=int):
     return number
 
 
-def writable(path):
-    """An argparse type: a file we can write, tried now by writing beside it, before any work."""
+def writable(path):  # an argparse type: a file we can write, tried now by writing beside it
     try:
         tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))).close()
     except OSError as e:
@@ -50,8 +46,7 @@ def writable(path):
     return path
 
 
-def parse_args(argv=None):
-    """The flags, each checked as it is read: a bad value must not cost a run."""
+def parse_args(argv=None):  # each flag checked as it is read: a bad value must not cost a run
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
                                 exit_on_error=False)
     p.add_argument("--data-dir", default="data", help="the data's folder")
@@ -72,8 +67,7 @@ def parse_args(argv=None):
         sys.exit(f"error: {e}")  # one line on stderr, exit status 1, as every bad input here
 
 
-def setup(args):
-    """Where this process trains (an accelerator if there is one), and that it is the main one."""
+def setup(args):  # where this process trains (an accelerator if there is one); is it the main one
     if "RANK" not in os.environ:  # DDP: torchrun tells each process who it is
         sys.exit(f"error: start me with torchrun --standalone --nproc_per_node N {__file__}")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP: of all
@@ -90,8 +84,7 @@ def setup(args):
                      "DDP on the CPU")
         device = torch.device(device.type, local_rank)
         torch.accelerator.set_device_index(local_rank)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or torch.get_num_threads())  # 0: PyTorch's choice
     backend = dist.get_default_backend_for_device(device)  # DDP: gloo for the CPU, nccl for CUDA
     backend = backend if dist.is_backend_available(backend) else "gloo"  # Windows: no NCCL
     dist.init_process_group(backend, device_id=None if device.type == "cpu" else device)
@@ -99,9 +92,7 @@ def setup(args):
                            is_main=rank == 0)
 
 
-class CSVText(Dataset):
-    """Rows "label,token ids" (ids space-separated) of train.csv or test.csv, on the CPU."""
-
+class CSVText(Dataset):  # rows "label,token ids" of train.csv or test.csv, on the CPU
     def __init__(self, args, train, device):
         path = os.path.join(args.data_dir, "train.csv" if train else "test.csv")
         try:
@@ -125,43 +116,36 @@ def collate(batch):
     return nn.utils.rnn.pad_sequence(tokens, batch_first=True), torch.tensor(labels)  # ids 0-padded
 
 
-def batches(dataset, rows, batch_size, seed):
-    """A DataLoader of these rows, in this order, batch_size at a time (the last may be short)."""
+def batches(dataset, rows, batch_size, seed):  # these rows in this order; the last may be short
     seeds = torch.Generator().manual_seed(seed)  # the workers' seeds: not from dropout's RNG
     return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, generator=seeds,
                       num_workers=2, pin_memory=torch.cuda.is_available())  # files: pinned on CUDA
 
 
 def load_data(args, rank, world_size, device):
-    """This rank's data: training(epoch), its share of the epoch's full batches, a new shuffle each
-    epoch, and testing(), its share of the test set, every row on one rank, none repeated."""
+    """This rank's share: training(epoch)'s full batches, reshuffled; testing()'s rows, once."""
     train_set, test_set = CSVText(args, True, device), CSVText(args, False, device)
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
     test_rows = range(rank, len(test_set), world_size)  # a sampler would pad with repeated rows
     steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))  # full batches
     if steps == 0:
         sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(sampler)} samples")
-
     def training(epoch):
         sampler.set_epoch(epoch)  # a new shuffle of all the training samples every epoch
         order = list(sampler)[:steps * args.batch_size]
         return batches(train_set, order, args.batch_size, args.seed + epoch)
-
     def testing():
         return batches(test_set, test_rows, args.test_batch_size, args.seed)
     return training, testing
 
 
-def train_epoch(model, train_batches, optimizer, args, world, epoch):
-    """One epoch of training; returns the mean training loss."""
+def train_epoch(model, train_batches, optimizer, args, world, epoch):  # the mean training loss
     model.train()
     loss_sum = torch.zeros((), device=world.device)  # float32: MPS has no float64
     for step, (inputs, labels) in enumerate(train_batches):
-        inputs = inputs.to(world.device, non_blocking=True)  # no-op if there already; from the
-        labels = labels.to(world.device, non_blocking=True)  # host, the CPU goes on during the copy
         optimizer.zero_grad(set_to_none=True)
-        output = model(inputs)
-        loss = F.cross_entropy(output, labels)
+        output = model(inputs.to(world.device, non_blocking=True))  # no-op if there already
+        loss = F.cross_entropy(output, labels.to(world.device, non_blocking=True))
         loss.backward()
         optimizer.step()
         loss_sum += loss.detach()  # summed on the device: no waiting for the GPU
@@ -172,8 +156,7 @@ def train_epoch(model, train_batches, optimizer, args, world, epoch):
 
 
 @torch.no_grad()
-def evaluate(net, test_batches, world):
-    """Loss and accuracy over these test batches, and how many samples they held."""
+def evaluate(net, test_batches, world):  # loss, accuracy, and how many samples were scored
     net.eval()
     for buffer in net.buffers():  # DDP: all ranks test rank 0's model (BatchNorm's statistics)
         dist.broadcast(buffer, 0)

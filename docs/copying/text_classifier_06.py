@@ -19,9 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
-class Net(nn.Module):
-    """A bag of words: the mean of a row's token embeddings (ids 1-999; 0 pads), 4 classes."""
-
+class Net(nn.Module):  # a bag of words: the mean of a row's token embeddings, 4 classes
     def __init__(self, dropout=True):
         super().__init__()
         self.embed = nn.EmbeddingBag(1000, 64, mode="mean", padding_idx=0)  # 0: not in the mean
@@ -32,8 +30,7 @@ class Net(nn.Module):
         return self.fc(self.dropout(self.embed(x)))
 
 
-def in_range(low, high=float("inf"), cast=int):
-    """An argparse type: a number from low up to, not including, high (NaN is in no range)."""
+def in_range(low, high=float("inf"), cast=int):  # an argparse type: low <= x < high, never NaN
     def number(text):
         if not low <= cast(text) < high:
             raise argparse.ArgumentTypeError(f"must be in [{low}, {high}), got {text}")
@@ -41,8 +38,7 @@ def in_range(low, high=float("inf"), cast=int):
     return number
 
 
-def writable(path):
-    """An argparse type: a file we can write, tried now by writing beside it, before any work."""
+def writable(path):  # an argparse type: a file we can write, tried now by writing beside it
     try:
         tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))).close()
     except OSError as e:
@@ -52,8 +48,7 @@ def writable(path):
     return path
 
 
-def parse_args(argv=None):
-    """The flags, each checked as it is read: a bad value must not cost a run."""
+def parse_args(argv=None):  # each flag checked as it is read: a bad value must not cost a run
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
                                 exit_on_error=False)
     p.add_argument("--data-dir", default="data", help="the data's folder")
@@ -70,8 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--save-model", type=writable, metavar="PATH", help="save the weights here")
     p.add_argument("--snapshot", type=writable, metavar="PATH", help="saved and resumed from")  # 06
     p.add_argument("--snapshot-every", type=in_range(0), default=0, help="also every N steps")
-    p.add_argument("--timeout", type=in_range(1, cast=float), default=300,
-                   help="seconds that any wait for the others or torchrun's store may last")
+    p.add_argument("--timeout", type=in_range(1, cast=float), default=300, help="a wait's seconds")
     try:
         return p.parse_args(argv)
     except argparse.ArgumentError as e:
@@ -79,15 +73,12 @@ def parse_args(argv=None):
 
 
 def lost(error):  # 06: the errors we can explain; any other is a bug and keeps its traceback
-    """A lost peer or a passed --timeout: torch's distributed errors (the store's too) and gloo's
-    RuntimeError, which starts where gloo saw it: "[.../gloo/transport/tcp/pair.cc:561] ..."."""
-    known = (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError)
+    known = (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError)  # gloo's: below
     return isinstance(error, known) or "/gloo/transport/" in str(error).split("]")[0]
 
 
 def attempt_store(args, rank):  # 06
-    """torchrun's agent keeps one store, with dead attempts' keys, over the restarts it counts per
-    node: a prefix all ranks agree on (how often this rank started) keeps the attempts apart."""
+    """torchrun's one store keeps dead attempts' keys: a prefix per attempt keeps them apart."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None  # no agent store: init_process_group makes a fresh one
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
@@ -96,8 +87,7 @@ def attempt_store(args, rank):  # 06
     return dist.PrefixStore(f"attempt{starts}/", store)
 
 
-def setup(args):
-    """Where this process trains (an accelerator if there is one), and that it is the main one."""
+def setup(args):  # where this process trains (an accelerator if there is one); is it the main one
     if "RANK" not in os.environ:  # DDP: torchrun tells each process who it is
         sys.exit(f"error: start me with torchrun --standalone --nproc_per_node N {__file__}")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP: of all
@@ -114,8 +104,7 @@ def setup(args):
                      "DDP on the CPU")
         device = torch.device(device.type, local_rank)
         torch.accelerator.set_device_index(local_rank)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or torch.get_num_threads())  # 0: PyTorch's choice
     backend = dist.get_default_backend_for_device(device)  # DDP: gloo for the CPU, nccl for CUDA
     backend = backend if dist.is_backend_available(backend) else "gloo"  # Windows: no NCCL
     dist.init_process_group(backend, device_id=None if device.type == "cpu" else device,
@@ -125,9 +114,7 @@ def setup(args):
                            is_main=rank == 0)
 
 
-class CSVText(Dataset):
-    """Rows "label,token ids" (ids space-separated) of train.csv or test.csv, on the CPU."""
-
+class CSVText(Dataset):  # rows "label,token ids" of train.csv or test.csv, on the CPU
     def __init__(self, args, train, device):
         path = os.path.join(args.data_dir, "train.csv" if train else "test.csv")
         try:
@@ -151,43 +138,36 @@ def collate(batch):
     return nn.utils.rnn.pad_sequence(tokens, batch_first=True), torch.tensor(labels)  # ids 0-padded
 
 
-def batches(dataset, rows, batch_size, seed):
-    """A DataLoader of these rows, in this order, batch_size at a time (the last may be short)."""
+def batches(dataset, rows, batch_size, seed):  # these rows in this order; the last may be short
     seeds = torch.Generator().manual_seed(seed)  # the workers' seeds: not from dropout's RNG
     return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, generator=seeds,
                       num_workers=2, pin_memory=torch.cuda.is_available())  # files: pinned on CUDA
 
 
 def load_data(args, rank, world_size, device):
-    """This rank's data: training(epoch), its share of the epoch's full batches, a new shuffle each
-    epoch, and testing(), its share of the test set, every row on one rank, none repeated."""
+    """This rank's share: training(epoch)'s full batches, reshuffled; testing()'s rows, once."""
     train_set, test_set = CSVText(args, True, device), CSVText(args, False, device)
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
     test_rows = range(rank, len(test_set), world_size)  # a sampler would pad with repeated rows
     steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))  # full batches
     if steps == 0:
         sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(sampler)} samples")
-
     def training(epoch, first):  # 06: a resumed epoch goes on from step first, in the same order
         sampler.set_epoch(epoch)  # a new shuffle of all the training samples every epoch
         order = list(sampler)[first * args.batch_size:steps * args.batch_size]  # 06
         return batches(train_set, order, args.batch_size, args.seed + epoch)
-
     def testing():
         return batches(test_set, test_rows, args.test_batch_size, args.seed)
     return training, testing, steps  # 06: steps, for the snapshots' layout
 
 
 def train_epoch(model, train_batches, optimizer, args, world, epoch, first, so_far, save):  # 06
-    """One epoch of training; returns the mean training loss."""
     model.train()
     loss_sum = torch.tensor(so_far, device=world.device)  # 06: float32 (MPS), a resumed epoch's sum
     for step, (inputs, labels) in enumerate(train_batches, first):  # 06: a resumed epoch's numbers
-        inputs = inputs.to(world.device, non_blocking=True)  # no-op if there already; from the
-        labels = labels.to(world.device, non_blocking=True)  # host, the CPU goes on during the copy
         optimizer.zero_grad(set_to_none=True)
-        output = model(inputs)
-        loss = F.cross_entropy(output, labels)
+        output = model(inputs.to(world.device, non_blocking=True))  # no-op if there already
+        loss = F.cross_entropy(output, labels.to(world.device, non_blocking=True))
         loss.backward()
         optimizer.step()
         loss_sum += loss.detach()  # summed on the device: no waiting for the GPU
@@ -200,8 +180,7 @@ def train_epoch(model, train_batches, optimizer, args, world, epoch, first, so_f
 
 
 @torch.no_grad()
-def evaluate(net, test_batches, world):
-    """Loss and accuracy over these test batches, and how many samples they held."""
+def evaluate(net, test_batches, world):  # loss, accuracy, and how many samples were scored
     net.eval()
     for buffer in net.buffers():  # DDP: all ranks test rank 0's model (BatchNorm's statistics)
         dist.broadcast(buffer, 0)
@@ -218,22 +197,21 @@ def evaluate(net, test_batches, world):
     return dict(test_loss=loss_sum / count, test_accuracy=correct / count, test_samples=int(count))
 
 
-def save_snapshot(path, world, net, optimizer, scheduler, epoch, step, layout, loss):  # 06
+def save_snapshot(args, world, net, optimizer, scheduler, epoch, step, layout, loss):  # 06
     """All an exact resume needs: weights, optimizer, schedule, position, RNGs, the data layout."""
     rngs = [None] * world.world_size
-    accelerator = None if world.device.type == "cpu" else torch.get_device_module(world.device)
-    gpu = accelerator and accelerator.get_rng_state()  # each rank draws its own dropout masks
-    dist.all_gather_object(rngs, (torch.get_rng_state(), gpu, loss))  # and its epoch's loss sum
+    gpu = None if world.device.type == "cpu" else torch.get_device_module(world.device)
+    gpu = gpu and gpu.get_rng_state()  # each rank draws its own dropout masks
+    dist.all_gather_object(rngs, (torch.get_rng_state(), gpu, loss))  # its dropout, its loss sum
     if world.is_main:
         state = dict(model=net.state_dict(), optimizer=optimizer.state_dict(), epoch=epoch,
                      scheduler=scheduler.state_dict(), step=step, rngs=rngs, layout=layout)
-        torch.save(state, f"{path}.tmp")
-        os.replace(f"{path}.tmp", path)  # a kill during the save leaves the last snapshot whole
+        torch.save(state, f"{args.snapshot}.tmp")  # a kill during the save leaves the last whole:
+        os.replace(f"{args.snapshot}.tmp", args.snapshot)  # the new file replaces it once written
 
 
 def resume(path, world, net, optimizer, scheduler, layout):  # 06
-    """(epoch, step, loss sum) to go on from, (1, 0, 0) with none. Each rank says what its path
-    holds; if all see the same, all resume rank 0's copy: one state. Else all stop, in one line."""
+    """(epoch, step, loss sum) to go on from: all ranks resume rank 0's copy, if all see one."""
     state = seen = None
     if path and os.path.exists(path):
         try:
@@ -243,9 +221,8 @@ def resume(path, world, net, optimizer, scheduler, layout):  # 06
             seen = f"snapshot {path} could not be loaded ({type(e).__name__}); move it away"
     views = [None] * world.world_size
     dist.all_gather_object(views, seen)
-    for view in views:
-        if isinstance(view, str):  # every rank stops, not only the one that read it
-            sys.exit(f"error: {view}")
+    for error in [view for view in views if isinstance(view, str)]:  # every rank stops, not one
+        sys.exit(f"error: {error}")
     if len(set(views)) > 1:
         said = ", ".join(f"rank {r}: {'none' if v is None else 'epoch %d step %d' % v[:2]}"
                          for r, v in enumerate(views))
@@ -284,17 +261,15 @@ def run(args, world):
               f"{steps} steps an epoch")  # 06: which samples each step of each rank takes
     def save(epoch, step, loss=0.0):  # 06: an epoch's end is saved after its test as epoch + 1
         if args.snapshot and step < steps:  # loss: this rank's sum over the epoch's steps so far
-            save_snapshot(args.snapshot, world, net, optimizer, scheduler, epoch, step, layout,
-                          loss)
+            save_snapshot(args, world, net, optimizer, scheduler, epoch, step, layout, loss)
 
-    first_epoch, first_step, first_sum = resume(args.snapshot, world, net, optimizer, scheduler,
-                                                layout)  # 06
-    if first_epoch > args.epochs:  # 06
+    epoch0, step0, sum0 = resume(args.snapshot, world, net, optimizer, scheduler, layout)  # 06
+    if epoch0 > args.epochs:  # 06
         if world.is_main:
             print(f"{args.snapshot} has all {args.epochs} epochs: nothing to do", file=sys.stderr)
         return
-    for epoch in range(first_epoch, args.epochs + 1):  # 06
-        first, so_far = (first_step, first_sum) if epoch == first_epoch else (0, 0.0)  # 06: resumed
+    for epoch in range(epoch0, args.epochs + 1):  # 06
+        first, so_far = (step0, sum0) if epoch == epoch0 else (0, 0.0)  # 06: a resumed epoch
         train_batches = training(epoch, first)  # 06
         train_loss = train_epoch(model, train_batches, optimizer, args, world, epoch,
                                  first, so_far, save)  # 06: from step first; snapshots on the way
