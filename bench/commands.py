@@ -51,6 +51,7 @@ def commands(run, settings, metrics_path, snapshot_path):
     common += ["--snapshot", repo_relative(snapshot_path)] if mode.snapshot else []
     common += list(run.flags)
     argv = launch(mode, mode.script, n) + mode.launch.flags(n, settings)
+    argv += [mode.launch.port_flag, free_port()] if mode.launch.port_flag else []  # two runs never share one
     nodes = mode.launch.nodes
     if nodes == 1:
         return [({**visible(settings.gpus[:n]), **launcher_environment(mode)}, [str(a) for a in argv + common])]

@@ -8,9 +8,7 @@ import dataclasses
 import importlib.util
 import os
 
-from bench.machine import free_port
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench import REPO  # noqa: F401 (the table's users take it from here too)
 
 # The flags of every script, with the same name, meaning and default (DESIGN.md); a row's flags are its own.
 COMMON_FLAGS = ("--data-dir", "--synthetic", "--epochs", "--batch-size", "--test-batch-size", "--lr", "--seed",
@@ -25,6 +23,7 @@ class Launch:
     name: str
     torchrun: bool = False  # torchrun starts its n processes; else `python SCRIPT`
     count_flag: str = ""  # the script's own flag for n, where it starts its processes itself
+    port_flag: str = ""  # its flag for the port its processes meet at: bench/commands.py gives each run a free one
     group: bool = True  # its processes meet in a process group: the harness checks that collective first
     nodes: int = 1  # started as this many "nodes" on this host, each with n / nodes devices
     flags: object = lambda n, settings: []  # what else a run at n needs (settings: a bench.plan.Settings)
@@ -34,7 +33,7 @@ PYTHON = Launch("python", group=False)
 DP = Launch("dp", group=False,  # one process drives the GPUs it is given; on the CPU it is one replica
             flags=lambda n, settings: [] if settings.cpu else ["--gpus", ",".join(map(str, range(n)))])
 TORCHRUN = Launch("torchrun", torchrun=True)
-SPAWN = Launch("spawn", count_flag="--nprocs", flags=lambda n, settings: ["--master-port", free_port()])
+SPAWN = Launch("spawn", count_flag="--nprocs", port_flag="--master-port")
 MULTINODE = Launch("multinode", nodes=2)
 LIGHTNING = Launch("lightning", count_flag="--devices",
                    flags=lambda n, settings: ["--strategy", "ddp", "--accelerator", settings.kind])

@@ -8,7 +8,7 @@ import subprocess
 import time
 
 from bench.machine import output_of
-from bench.family import REPO
+from bench import REPO
 
 KILL_GRACE_S = 5  # SIGTERM first so that process groups can be destroyed cleanly, then SIGKILL
 PEER_GRACE_S = 15  # once one node of 05 has failed, the other would only wait for its rendezvous timeout

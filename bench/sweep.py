@@ -58,7 +58,7 @@ def run_one(run, settings, out_dir):
     code, timed_out = run_processes(cmds, logs, timeout)
     wall = round(time.monotonic() - t0, 2)
     shutil.rmtree(snapshots, ignore_errors=True)
-    argv, record = cmds[0][1], read_json(metrics)
+    argv, record, mode = cmds[0][1], read_json(metrics), MODES[run.mode]
     if record:  # completed once, where it lies: the report and a reader of metrics/ see one record
         record = completed(record, run, settings, argv)
         write_json(metrics, record)
@@ -69,7 +69,8 @@ def run_one(run, settings, out_dir):
     return dict(dataclasses.asdict(run), run_id=run.run_id, status=state, exit_code=code, error=error, wall_s=wall,
                 busy_before=in_use, timeout_s=round(timeout),
                 started_at=started, target_accuracy=settings.target_acc, command=as_typed(cmds, settings.cpu),
-                loader_batch=argv[argv.index("--batch-size") + 1], log_path=os.path.relpath(logs[0], out_dir),
+                loader_batch=mode.batch.loader_batch(run.per_device_batch, run.n),
+                log_path=os.path.relpath(logs[0], out_dir),
                 metrics_path=os.path.relpath(metrics, out_dir), log_tail=log_tail(logs) if state != "ok" else None,
                 time_to_target_s=reached, **{k: (record or {}).get(k) for k in RECORD_COLUMNS})
 
