@@ -82,11 +82,11 @@ def test_output_is_01s_without_lightnings_noise(same_steps):
     # torch 2.10's gloo prints each rank's connections (unbuffered, so two ranks' lines can interleave): torch's
     # words, not Lightning's, and gone in later releases.
     lines = [line for line in lit.stdout.splitlines() if "connected peer ranks" not in line]
-    assert all(line.startswith(("epoch ", "lightning: ")) for line in lines), lit.stdout
+    assert all(line.startswith(("epoch ", "07_lightning.py: ")) for line in lines), lit.stdout
     shape = [re.sub(r"\d+(\.\d+)?", "N", line) for line in single.stdout.splitlines()[:-1]]
     assert [re.sub(r"\d+(\.\d+)?", "N", line) for line in lines[:-1]] == shape  # 01's lines
     assert lit.stdout.count("epoch 2:") == 1 and lit.stdout.count("epoch 2 step 0 loss") == 1
-    assert lines[-1].startswith("lightning: ") and "world size 2, cpu" in lines[-1]
+    assert lines[-1].startswith("07_lightning.py: ") and "world size 2, cpu" in lines[-1]
     assert not [word for word in NOISE if word in lit.stdout + lit.stderr], lit.stderr
 
 
