@@ -515,7 +515,7 @@ def test_the_record_takes_the_time_of_the_slowest_rank(script, tmp_path, monkeyp
 def test_an_interrupted_metrics_write_leaves_the_old_file_whole(quick_mnist_dir, tmp_path):
     metrics = tmp_path / "metrics.json"
     metrics.write_text('{"earlier": "run"}')
-    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))  # noqa: E731  (the record is larger)
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (256, 256))  # noqa: E731  (the record is larger)
     result = run(script_command("01_single_gpu.py", "--data-dir", quick_mnist_dir, "--max-steps", 2,
                                 "--metrics-json", metrics), check=False, preexec_fn=limit, timeout=60)
     assert "samples/s" in result.stdout, result.stderr  # it got as far as writing the record
