@@ -1,4 +1,4 @@
-"""What the README teaches is kept true: it reads top to bottom within 350 lines (each word defined before its use,
+"""What the README teaches is kept true: it reads top to bottom within 320 lines (each word defined before its use,
 its sections in a learner's order, maintainer material in docs/maintainers.md), its excerpts and the diffs in
 docs/diffs/ are current, every link, path and test name the docs cite exists, the scripts share their common parts
 word for word, and what it says of PyTorch itself (the legacy launcher, the backends' messages, Lightning 2, the
