@@ -224,7 +224,7 @@ def test_each_rank_draws_its_own_dropout_masks(quick_mnist_dir, tmp_path):
     """A copy of 03 that prints, after its first forward pass, the next number its generator would give. Both
     ranks drew as many numbers (the same model, the same batch shape), so equal numbers mean equal masks."""
     copy = tmp_path / "03_ddp_launch.py"
-    step = "        loss = F.cross_entropy(output, labels)\n"
+    step = "        loss = F.cross_entropy(output, labels.to(world.device, non_blocking=True))\n"
     source = (ROOT / "03_ddp_launch.py").read_text()
     assert source.count(step) == 1
     # One write of the whole line: the tests' PYTHONUNBUFFERED makes print write each argument on its own, and
