@@ -120,6 +120,11 @@ MODES = {mode.name: mode for mode in [
          runs_with=lambda n, cpu: 128 % n == 0, why="09 splits fc1's 128 outputs evenly, so n must divide 128",
          collectives="one all-reduce of fc2's partial outputs (B x 10) in the forward, one of fc1's input "
                      "gradient (B x 9216) in the backward"),
+    Mode("pipeline_parallel", "10_pipeline_parallel.py", "03_ddp_launch.py", "PP", 60, 400, TORCHRUN, SHARED,
+         runs_with=lambda n, cpu: n == 2, why="10 has two stages: it runs at n = 2",
+         flags=("--microbatches", "--schedule"),
+         collectives="a send of each microbatch's activations (B/m x 9216) from stage 0 to stage 1 in the "
+                     "forward, one of their gradient back in the backward; a broadcast of the loss"),
 ]}
 
 

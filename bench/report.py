@@ -18,10 +18,11 @@ KEYS = ["variant", "per_device_batch", "mode", "n"]
 FIRSTS = ["world_size", "nodes", "global_batch", "loader_batch", "device_type"]
 MEDIANS = ["samples_per_s", "time_to_target_s", "test_accuracy", "test_loss", "peak_memory_bytes", "wall_s"]
 FORMATS = {"speedup": "{:.2f}x".format, "speed_ratio": "{:.2f}x".format, "wall_ratio": "{:.2f}x".format,
-           "efficiency": "{:.1%}".format, "test_accuracy": "{:.2%}".format, "pct_of_limit": "{:.0%}".format,
+           "bubble": "{:.0%}".format, "efficiency": "{:.1%}".format, "test_accuracy": "{:.2%}".format, "pct_of_limit": "{:.0%}".format,
            "accuracy_diff": lambda v: f"{100 * v:+.2f} pp", "peak_memory_bytes": lambda v: f"{v / 2**20:.0f} MiB"}
 SUMMARY_VIEW = dict(variant="variant", mode="mode", n="n", runs="runs", world_size="world size",
-                    global_batch="global batch", samples_per_s="samples/s", speedup="speed-up vs 01",
+                    global_batch="global batch", samples_per_s="samples/s", bubble="pipeline bubble",
+                    speedup="speed-up vs 01",
                     efficiency="efficiency E(n)", time_to_target_s="time to target (s)", test_accuracy="test accuracy",
                     peak_memory_bytes="peak memory", held_mib="held per rank (MiB)", wall_s="wall (s)")
 VERSUS_VIEW = dict(variant="variant", per_device_batch="per-GPU batch", mode="mode", n="n",
@@ -34,12 +35,22 @@ LIMIT_VIEW = dict(variant="variant", mode="mode", n="n", per_device_batch="B", s
                   pct_of_limit="% of the limit")
 
 
+def bubble(stages, microbatches):
+    """The share of a pipeline step in which each of p stages waits, while m microbatches fill the pipe and drain
+    it: (p - 1) / (m + p - 1), for GPipe and 1F1B alike (10's record names its m)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
 def read_and_summarize(out_dir):
     runs = pd.read_csv(os.path.join(out_dir, "runs.csv"), keep_default_na=False, na_values=[""])
     records = [read_json(os.path.join(out_dir, path), {}) for path in runs["metrics_path"]]
-    held = [(r.get("epochs_detail") or [r])[-1].get("bytes_per_rank") or [math.nan] for r in records]
+    lasts = [(r.get("epochs_detail") or [r])[-1] for r in records]
+    held = [last.get("bytes_per_rank") or [math.nan] for last in lasts]
     runs["held_mib"] = [max(each) / 2**20 for each in held]  # the fullest rank
-    summary = summarize(runs).merge(runs.groupby(KEYS, as_index=False)["held_mib"].max(), on=KEYS, how="left")
+    runs["bubble"] = [bubble(r["world_size"], last["microbatches"]) if "microbatches" in last else math.nan
+                      for r, last in zip(records, lasts)]  # a pipeline's: one stage a rank
+    per_run = runs.groupby(KEYS, as_index=False)[["held_mib", "bubble"]].max()
+    summary = summarize(runs).merge(per_run, on=KEYS, how="left")
     write_atomically(os.path.join(out_dir, "summary.csv"), lambda tmp: summary.to_csv(tmp, index=False))
     return runs, summary
 
@@ -168,8 +179,10 @@ def batch_rules(summary):
 
 def head(env, summary, settings):
     reference = BLOCKS["reference_shared_cores" if shares_cores(summary).any() else "reference_gpus"]
-    shared = [MODES[name].number for name in MODES if MODES[name].batch.shared and name in set(summary["mode"])]
-    reference += "\n\n" + BLOCKS["shared_batch"].format(scripts=", ".join(shared)) if shared else ""
+    shared = [name for name in MODES if MODES[name].batch.shared and name in set(summary["mode"])]
+    notes = " ".join(BLOCKS[f"shared_{name}"] for name in shared)
+    scripts = ", ".join(MODES[name].number for name in shared)
+    reference += "\n\n" + BLOCKS["shared_batch"].format(scripts=scripts, notes=notes) if shared else ""
     return BLOCKS["head"].format(
         hardware=env["hardware"], devices="processes" if settings.cpu else "GPUs", loader=loader_line(env, summary),
         reference=reference.format(cores=settings.cores),
@@ -182,8 +195,11 @@ def head(env, summary, settings):
 
 def write_report(out_dir, runs, summary, env, settings, left_out, plots):
     hide = {c for c in ("variant", "per_device_batch") if summary[c].nunique() <= 1}
+    pipelined = "bubble" in summary and summary["bubble"].notna().any()  # 10's rows: the bubble beside samples/s
+    columns = hide if pipelined else hide | {"bubble"}
     blocks = [head(env, summary, settings)] + [BLOCKS["summary"].format(per_device_batch=b, table=markdown(
-        summary[summary["per_device_batch"] == b], SUMMARY_VIEW, hide)) for b in settings.per_device_batches]
+        summary[summary["per_device_batch"] == b], SUMMARY_VIEW, columns)) for b in settings.per_device_batches]
+    blocks += [BLOCKS["pipeline_bubble"]] if pipelined else []
     blocks += [BLOCKS["left_out"].format(left_out="; ".join(left_out))] if left_out else []
     blocks += comparisons(summary, settings, hide) + limit_section(summary, env, settings, hide)
     images = [BLOCKS["plot"].format(name=name, title=title) for name, title in plots]

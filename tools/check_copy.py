@@ -10,7 +10,8 @@ The copy is started as its parent is: torchrun (03, 06, 08), --nprocs (04), -n 1
 shards its training set with torch.utils.data.DistributedSampler and scores its test rows in eval() without
 gradients. tools/copy_hook (on the runs' PYTHONPATH) records each process's sampler orders, the rows it scored
 and the files it wrote; none of the copy's own measurement is needed. Per guarantee it prints `holds` or
-`BROKEN` and what it saw, and exits 0 only if all hold. 09, whose ranks share every batch, is refused in one line.
+`BROKEN` and what it saw, and exits 0 only if all hold. 09 and 10, whose ranks share every batch, are refused in
+one line.
 """
 import argparse
 import json
@@ -44,9 +45,12 @@ FAILED = []  # the logs of the runs that exited non-zero: kept for reading
 
 
 def launch_kind(source):
-    """How the copy starts its processes, as its parent does (tensor parallel: one the checks do not apply to)."""
+    """How the copy starts its processes, as its parent does (tensor or pipeline parallel: ones the checks do not
+    apply to)."""
     if "parallelize_module(" in source:
         return "tensor parallel"
+    if "PipelineStage(" in source:
+        return "pipeline parallel"
     if "import lightning" in source:
         return "lightning"
     if "mp.spawn(" in source:
@@ -206,9 +210,9 @@ def main(argv=None):
             sys.exit(f"error: {script}: no such file")
     sources = [(script, script.read_text()) for script in args.scripts]
     for script, source in sources:
-        if launch_kind(source) == "tensor parallel":  # refused before any run: no verdict to misread
-            sys.exit(f"error: {script} is tensor parallel: its ranks share every batch, and the checks here "
-                     "are data parallel's")
+        if launch_kind(source) in ("tensor parallel", "pipeline parallel"):  # refused before any run
+            sys.exit(f"error: {script} is {launch_kind(source)}: its ranks share every batch, and the checks "
+                     "here are data parallel's")
     work = Path(tempfile.mkdtemp(prefix="check_copy-"))
     try:
         if args.data_dir is None:

@@ -9,7 +9,7 @@ import pytest
 
 from helpers import ROOT, run, run_two_nodes, script_command, with_stand_in_accelerator
 
-SCRIPTS = sorted(path.name for path in ROOT.glob("0[0-9]_*.py"))
+SCRIPTS = sorted(path.name for path in ROOT.glob("[0-9][0-9]_*.py"))
 PROCESSES = {"01_single_gpu.py": 1, "02_data_parallel.py": 1}  # the others: 2
 
 

@@ -84,7 +84,7 @@ def test_metrics_record_is_complete_and_consistent(same_batch_runs):
 def test_distributed_modes_record_their_world(same_batch_runs):
     expected = {"01_single_gpu.py": (1, 1), "02_data_parallel.py": (1, 1), "03_ddp_launch.py": (2, 1),
                 "04_ddp_spawn.py": (2, 1), "05_multinode_mnist.py": (4, 2), "06_fault_tolerant.py": (2, 1),
-                "08_fsdp.py": (2, 1), "09_tensor_parallel.py": (2, 1)}
+                "08_fsdp.py": (2, 1), "09_tensor_parallel.py": (2, 1), "10_pipeline_parallel.py": (2, 1)}
     for script, (world_size, nodes) in expected.items():
         record = same_batch_runs[script][1]
         assert (record["world_size"], record["nodes"]) == (world_size, nodes), script

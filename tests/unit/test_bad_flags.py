@@ -32,6 +32,8 @@ FLAGS = {
     "negative snapshot interval": ("06_fault_tolerant.py", ["--snapshot-every", "-1"], "--snapshot-every"),
     "timeout 0": ("06_fault_tolerant.py", ["--timeout", "0"], "--timeout"),
     "timeout not a number": ("06_fault_tolerant.py", ["--timeout", "nan"], "--timeout"),
+    "microbatches 0": ("10_pipeline_parallel.py", ["--microbatches", "0"], "argument --microbatches: must be in"),
+    "schedule unknown": ("10_pipeline_parallel.py", ["--schedule", "zb"], "argument --schedule: invalid choice"),
 }
 
 
@@ -68,7 +70,7 @@ def test_every_script_tries_its_output_paths_before_any_work(bad, tmp_path, caps
     blocker = tmp_path / "a-file"
     blocker.write_text("kept")
     path = BAD_OUTPUTS[bad].format(tmp=tmp_path, blocker=blocker)
-    for script in sorted(p.name for p in ROOT.glob("0[0-9]_*.py")):
+    for script in sorted(p.name for p in ROOT.glob("[0-9][0-9]_*.py")):
         for flag in OUTPUT_FLAGS + (["--snapshot"] if script.startswith("06") else []):
             assert_fails_clearly(parsed_in_process(script, [flag, path], capsys), "cannot write")
     assert sorted(tmp_path.iterdir()) == [blocker] and blocker.read_text() == "kept"

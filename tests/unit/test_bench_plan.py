@@ -19,6 +19,7 @@ from bench.commands import commands
 from bench.processes import run_processes
 
 AVAILABLE = [m for m in MODES if not plan.unavailable_reason(m)]  # 08 until it is written
+TWO_ONLY = {"pipeline_parallel"}  # 10: two stages, so two processes only
 
 
 # ---- the plan and the batch-size rules, without running anything
@@ -46,8 +47,8 @@ def test_cpu_runs_share_the_cores_each_process_getting_cores_over_n_threads():
 def test_gpu_commands_follow_the_batch_size_rules_and_use_the_harness_interpreter():
     settings = gpu_settings(["4", "5", "6", "7"])
     runs, _ = plan.plan(settings, MODES, [("base", [])], repeats=1)
-    assert [(r.mode, r.n) for r in runs] == [(m, 1) for m in AVAILABLE if m != "ddp_multinode"] + [
-        (m, n) for n in (2, 4) for m in AVAILABLE if m != "single"]
+    assert [(r.mode, r.n) for r in runs] == [(m, 1) for m in AVAILABLE if m not in {"ddp_multinode"} | TWO_ONLY] + [
+        (m, n) for n in (2, 4) for m in AVAILABLE if m != "single" and (n == 2 or m not in TWO_ONLY)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     for run in runs:
         cmds = commands(run, settings, "m.json", "run/snapshot.pt")
@@ -226,6 +227,44 @@ def test_held_memory_per_rank_is_08s_fullest_rank_in_the_summary_and_memory_png(
     assert line(3) == 40  # DDP's whole copy: 08 at n = 1
 
 
+def test_the_report_shows_the_pipeline_bubble_beside_10s_measured_throughput(tmp_path):
+    """10's record names its microbatches m: its summary row gives (p - 1) / (m + p - 1) of p = 2 stages beside its
+    samples/s (20% at m = 4, 11% at m = 8), the other rows none, and a report without 10 has no such column."""
+    assert report.bubble(2, 4) == pytest.approx(0.2) and report.bubble(2, 1) == pytest.approx(0.5)
+    (tmp_path / "metrics").mkdir()
+    rows = []
+    for variant, mode, n, microbatches in [("base", "single", 1, None), ("base", "tensor_parallel", 2, None),
+                                           ("base", "pipeline_parallel", 2, 4), ("m8", "pipeline_parallel", 2, 8)]:
+        run_id = f"{mode}-n{n}-b64-r1-{variant}"
+        last = dict(bytes_per_rank=[301056, 18897056], microbatches=microbatches) if microbatches else {}
+        record = dict(samples_per_s=1000.0 * n, world_size=n, epochs_detail=[dict(epoch=1, **last)])
+        (tmp_path / "metrics" / f"{run_id}.json").write_text(json.dumps(record))
+        rows.append(dict(run_id=run_id, variant=variant, mode=mode, n=n, per_device_batch=64, repeat=1, status="ok",
+                         world_size=n, nodes=1, device_type="cuda", samples_per_s=1000.0 * n + 1,
+                         metrics_path=f"metrics/{run_id}.json", command="python x.py"))
+    runs_csv.write_runs(str(tmp_path), rows)
+    env = dict(hardware="a machine", harness_command="python bench/run_all.py", python=sys.executable)
+    frame, summary = report.read_and_summarize(str(tmp_path))
+    report.write_report(str(tmp_path), frame, summary, env, gpu_settings(["0", "1"], per_device_batches=[64]), [], [])
+    text = (tmp_path / "report.md").read_text()
+    summary_table = text.split("## Summary")[1].split("\n\n")[1]
+    table = [[cell.strip() for cell in line.strip("|").split("|")] for line in summary_table.splitlines()]
+    columns = table[0]
+    by_run = {(row[columns.index("variant")], row[columns.index("mode")]): row for row in table[2:]}
+    bubble = columns.index("pipeline bubble")
+    assert columns[bubble - 1] == "samples/s"  # beside the throughput it explains
+    assert by_run["base", "pipeline_parallel"][bubble - 1:bubble + 1] == ["2,001", "20%"]
+    assert by_run["m8", "pipeline_parallel"][bubble] == "11%"
+    assert by_run["base", "tensor_parallel"][bubble] == by_run["base", "single"][bubble] == "-"
+    assert "(p - 1) / (m + p - 1)" in text and "10's two ranks each hold a stage" in text
+    without_10 = summary[summary["mode"] != "pipeline_parallel"]
+    report.write_report(str(tmp_path), frame, without_10, env, gpu_settings(["0", "1"], per_device_batches=[64]),
+                        [], [])
+    text = (tmp_path / "report.md").read_text()
+    assert "pipeline bubble" not in text and "(p - 1) / (m + p - 1)" not in text
+    assert "09's ranks each hold a slice of fc1 and fc2" in text and "10's two ranks" not in text
+
+
 def test_the_default_cpu_sweep_runs_each_mode_once_with_the_same_images_in_each_epoch(tmp_path, monkeypatch, capsys):
     """Without GPUs: 01 and 02 at n = 1, the process-group modes at n = 2 only (their n = 1 left out, saying why;
     --cpu 1 runs them); at n = 2 each epoch has half the steps of n = 1 at twice the batch: the same images."""
@@ -237,8 +276,10 @@ def test_the_default_cpu_sweep_runs_each_mode_once_with_the_same_images_in_each_
                if line.startswith("  ") and "left out" not in line]
     singles = [m for m in ("single", "dp") if m in AVAILABLE]
     assert planned == [f"{m}-n1-b64-r1" for m in singles] + [f"{m}-n2-b64-r1" for m in AVAILABLE if m not in singles]
-    for mode in set(AVAILABLE) - {"single", "dp", "ddp_multinode"}:
+    for mode in set(AVAILABLE) - {"single", "dp", "ddp_multinode"} - TWO_ONLY:
         assert f"left out: {MODES[mode].script} at n = 1 (a CPU sweep to n > 1" in out, mode
+    for mode in TWO_ONLY & set(AVAILABLE):
+        assert f"left out: {MODES[mode].script} at n = 1 ({MODES[mode].why})" in out, mode
     defaults = run_all.DEFAULTS["cpu"]
     for line in (line for line in out.splitlines() if "-b64-r1: " in line):
         n, argv = int(line.split("-n")[1].split("-")[0]), line.split()
@@ -247,19 +288,19 @@ def test_the_default_cpu_sweep_runs_each_mode_once_with_the_same_images_in_each_
         assert steps * mode.batch.global_batch(64, n) == defaults["epoch_images"], line  # the same images at every n
     settings = dataclasses.replace(gpu_settings([]), max_n=1, **{k: defaults[k] for k in ("epochs", "epoch_images")})
     runs, _ = plan.plan(settings, MODES, [("base", [])], repeats=1)
-    assert {r.mode for r in runs} == set(AVAILABLE) - {"ddp_multinode"}  # --cpu 1: every mode at n = 1
+    assert {r.mode for r in runs} == set(AVAILABLE) - {"ddp_multinode"} - TWO_ONLY  # --cpu 1: every mode at n = 1
 
 
 def test_the_estimate_before_the_default_cpu_sweep_is_within_a_fifth_of_the_committed_sweeps_time():
     """results/cpu-2core-amd-epyc is the default CPU sweep of a quiet 2-core VM (the same runs, epochs and steps):
     the estimate that run_all prints before a sweep must agree with what that sweep took. The modes added since
-    (09) are left out of both: the default plan is that sweep's runs and theirs."""
+    (09, 10) are left out of both: the default plan is that sweep's runs and theirs."""
     committed = read_runs(ROOT / "results" / "cpu-2core-amd-epyc").set_index("run_id")
     defaults = run_all.DEFAULTS["cpu"]
     settings = dataclasses.replace(gpu_settings([]), max_n=defaults["processes"], cores=2, per_device_batches=[64],
                                    synthetic=False, **{k: defaults[k] for k in ("epochs", "epoch_images")})
     swept = [name for name in MODES if name in set(committed["mode"])]
-    assert set(MODES) - set(swept) == {"tensor_parallel"}, "a mode without a committed CPU sweep"
+    assert set(MODES) - set(swept) == {"tensor_parallel", "pipeline_parallel"}, "a mode without a committed CPU sweep"
     runs, _ = plan.plan(settings, swept, [("base", [])], repeats=1)
     assert sorted(r.run_id for r in runs) == sorted(committed.index)
     for run in runs:

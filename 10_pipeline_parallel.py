@@ -1,0 +1,313 @@
+"""MNIST with pipeline parallelism: split at flatten, the convs on rank 0, fc1 and fc2 on rank 1.
+
+    torchrun --standalone --nproc_per_node 2 10_pipeline_parallel.py  # 2 GPUs (one GPU: add --cpu)
+"""
+import argparse
+import json  # measure
+import os
+import sys
+import tempfile
+import time  # measure
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist  # DDP
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # PP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torchvision import datasets
+
+
+class Net(nn.Module):  # the classic PyTorch MNIST CNN, about 1.2 M parameters
+    def __init__(self, dropout=True):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(0.25 if dropout else 0.0)
+        self.dropout2 = nn.Dropout(0.5 if dropout else 0.0)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = self.conv1(x)
+        x = F.relu(x)
+        x = self.conv2(x)
+        x = F.relu(x)
+        x = F.max_pool2d(x, 2)
+        x = self.dropout1(x)
+        x = torch.flatten(x, 1)
+        x = self.fc1(x)
+        x = F.relu(x)
+        x = self.dropout2(x)
+        return self.fc2(x)
+
+
+def in_range(low, high=float("inf"), cast=int):  # an argparse type: low <= x < high, never NaN
+    def number(text):
+        if not low <= cast(text) < high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}), got {text}")
+        return cast(text)
+    return number
+
+
+def writable(path):  # an argparse type: a file we can write, tried now by writing beside it
+    try:
+        tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))).close()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {path}: {e.strerror}")
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"cannot write {path}: it is a folder")
+    return path
+
+
+def parse_args(argv=None):  # each flag checked as it is read: a bad value must not cost a run
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
+                                exit_on_error=False)
+    p.add_argument("--data-dir", default="data", help="the data's folder")
+    p.add_argument("--synthetic", action="store_true", help="random data: speed only")  # measure
+    p.add_argument("--epochs", type=in_range(1), default=1)
+    p.add_argument("--batch-size", type=in_range(1), default=64, help="batch of this process")
+    p.add_argument("--test-batch-size", type=in_range(1), default=1000)
+    p.add_argument("--lr", type=in_range(0.0, cast=float), default=1.0, help="x0.7 each epoch")
+    p.add_argument("--seed", type=in_range(0, 2**32), default=1)
+    p.add_argument("--max-steps", type=in_range(0), default=0, help="steps per epoch (0: all)")
+    p.add_argument("--log-interval", type=in_range(0), default=100, help="steps between lines")
+    p.add_argument("--cpu", action="store_true", help="ignore GPUs")
+    p.add_argument("--threads", type=in_range(0), default=0, help="CPU threads (0: PyTorch's)")
+    p.add_argument("--no-dropout", action="store_true", help="for exact comparisons of modes")
+    p.add_argument("--save-model", type=writable, metavar="PATH", help="save the weights here")
+    p.add_argument("--metrics-json", type=writable, metavar="PATH", help="the record")  # measure
+    p.add_argument("--microbatches", type=in_range(1), default=4, help="pieces of a batch")  # PP
+    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe", help="their order")
+    try:
+        return p.parse_args(argv)
+    except argparse.ArgumentError as e:
+        sys.exit(f"error: {e}")  # one line on stderr, exit status 1, as every bad input here
+
+
+def setup(args):  # where this process trains (an accelerator if there is one); is it the main one
+    if "RANK" not in os.environ:  # DDP: torchrun tells each process who it is
+        sys.exit(f"error: start me with torchrun --standalone --nproc_per_node N {__file__}")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP: of all
+    local_rank, per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])  # DDP
+    accelerator = torch.accelerator.current_accelerator(check_available=True)  # CUDA, MPS, XPU...
+    device = torch.device("cpu") if args.cpu or accelerator is None else accelerator
+    if device.type == "mps":  # DDP: no backend takes MPS tensors today
+        print("DDP cannot use MPS: training on the CPU", file=sys.stderr)
+        device = torch.device("cpu")
+    if device.type != "cpu":  # DDP: one GPU per process, the current device for collectives
+        if per_node > torch.accelerator.device_count():
+            sys.exit(f"error: {per_node} processes on this machine but "
+                     f"{torch.accelerator.device_count()} GPU(s): start fewer, or add --cpu to try "
+                     "DDP on the CPU")
+        device = torch.device(device.type, local_rank)
+        torch.accelerator.set_device_index(local_rank)
+    torch.set_num_threads(args.threads or torch.get_num_threads())  # 0: PyTorch's choice
+    backend = dist.get_default_backend_for_device(device)  # DDP: gloo for the CPU, nccl for CUDA
+    backend = backend if dist.is_backend_available(backend) else "gloo"  # Windows: no NCCL
+    dist.init_process_group(backend, device_id=None if device.type == "cpu" else device)
+    return SimpleNamespace(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
+                           is_main=rank == 0)
+
+
+class MNIST(Dataset):  # one split, fetched if missing, kept on the device: no input pipeline
+    def __init__(self, args, train, device):
+        if args.synthetic:  # measure
+            self.images, self.labels = random_mnist(args.seed + train, train, device)  # measure
+            return  # measure
+        try:
+            mnist = datasets.MNIST(args.data_dir, train=train, download=True)
+        except Exception as e:
+            cause = (str(e).strip() or type(e).__name__).splitlines()[-1]  # last line: the cause
+            sys.exit(f"error: cannot load MNIST from {args.data_dir} ({cause}); a corrupt file: "
+                     f"delete it; offline: copy the raw files into {args.data_dir}/MNIST/raw/")
+        images = (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081  # MNIST's mean and std
+        self.images, self.labels = images.to(device), mnist.targets.to(device)  # fits any GPU
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitems__(self, rows):  # a DataLoader asks for a batch's rows at once: one indexing
+        index = torch.tensor(rows).to(self.labels.device, non_blocking=True)  # not waiting for it
+        return self.images[index], self.labels[index]
+
+
+def collate(batch):
+    """The DataLoader's collate_fn: the rows the Dataset gave, as one batch (inputs, labels)."""
+    return batch  # MNIST's __getitems__ made it already
+
+
+def batches(dataset, rows, batch_size, seed):  # these rows in this order; the last may be short
+    seeds = torch.Generator().manual_seed(seed)  # the workers' seeds: not from dropout's RNG
+    return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, generator=seeds,
+                      num_workers=0, pin_memory=False)  # files: 2-8 workers, pinned on CUDA
+
+
+def load_data(args, rank, world_size, device):
+    """This rank's share: training(epoch)'s full batches, reshuffled; testing()'s rows, once."""
+    train_set, test_set = MNIST(args, True, device), MNIST(args, False, device)
+    sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
+    test_rows = range(rank, len(test_set), world_size)  # a sampler would pad with repeated rows
+    steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))  # full batches
+    if steps == 0:
+        sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(sampler)} samples")
+    def training(epoch):
+        sampler.set_epoch(epoch)  # a new shuffle of all the training samples every epoch
+        order = list(sampler)[:steps * args.batch_size]
+        return batches(train_set, order, args.batch_size, args.seed + epoch)
+    def testing():
+        return batches(test_set, test_rows, args.test_batch_size, args.seed)
+    return training, testing
+
+
+def train_epoch(model, schedule, train_batches, optimizer, args, world, epoch):  # PP: mean loss
+    model.train()
+    loss_sum = torch.zeros((), device=world.device)  # float32: MPS has no float64
+    for step, (inputs, labels) in enumerate(train_batches):
+        optimizer.zero_grad(set_to_none=True)
+        losses = []  # PP: one a microbatch, on the last stage: only it has the labels and loss_fn
+        schedule.step(inputs.to(world.device, non_blocking=True),  # PP: images into stage 0, labels
+                      target=labels.to(world.device, non_blocking=True), losses=losses)  # PP: to 1
+        loss = sum(losses, torch.zeros((), device=world.device)).detach() / args.microbatches  # PP
+        dist.broadcast(loss, 1)  # PP: stage 1's mean loss (0 above on stage 0), for rank 0 too
+        optimizer.step()
+        loss_sum += loss.detach()  # summed on the device: no waiting for the GPU
+        if world.is_main and args.log_interval and step % args.log_interval == 0:
+            print(f"epoch {epoch} step {step} loss {loss.item():.4f}", flush=True)
+    dist.all_reduce(loss_sum)  # DDP: summed over all ranks, each of which took as many steps
+    return loss_sum.item() / (step + 1) / world.world_size
+
+
+@torch.no_grad()
+def evaluate(net, test_batches, world):  # loss, accuracy, and how many samples were scored
+    net.eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    for inputs, labels in test_batches:
+        inputs, labels = inputs.to(world.device), labels.to(world.device)
+        if world.rank == 0:  # PP: the first stage's output is the last stage's input
+            dist.send(net(inputs), dst=1)  # PP
+            continue  # PP: stage 1 scores the batch; stage 0 adds nothing to the sums
+        inputs = torch.empty(len(labels), net[0].in_features, device=world.device)  # PP: fc1's
+        dist.recv(inputs, src=0)  # PP: what stage 0 made of this batch's images
+        output = net(inputs)
+        loss_sum += F.cross_entropy(output, labels, reduction="sum").item()
+        correct += (output.argmax(dim=1) == labels).sum().item()
+        count += len(labels)  # counted, not assumed: a dropped or a repeated row would show
+    totals = torch.tensor([loss_sum, correct, count], device=world.device)  # DDP
+    dist.all_reduce(totals)  # DDP: each rank scored its share; these are the sums of all
+    loss_sum, correct, count = totals.tolist()
+    return dict(test_loss=loss_sum / count, test_accuracy=correct / count, test_samples=int(count))
+
+
+def run(args, world):
+    if args.batch_size % args.microbatches:  # PP: the schedule cuts a batch into equal pieces
+        sys.exit(f"error: --batch-size {args.batch_size} does not split into {args.microbatches} "
+                 "microbatches of one size: give a --batch-size that --microbatches divides")
+    if world.world_size != 2:  # PP: one stage a process
+        sys.exit(f"error: 2 stages, one a process: --nproc_per_node 2, not {world.world_size}")
+    torch.manual_seed(args.seed)  # PP: 01's weights on both ranks; each keeps its stage's
+    if world.local_rank != 0:
+        dist.barrier()  # DDP: one process per machine makes the files (MNIST: a download) first
+    training, testing = load_data(args, 0, 1, world.device)  # PP: 01's batches, on both ranks
+    world.data_ranks = 1  # PP: the record counts each shared batch once  # measure
+    if world.local_rank == 0:
+        dist.barrier()  # DDP: the files are there
+    net = Net(dropout=not args.no_dropout)  # PP: on the CPU; each rank moves its stage alone
+    model = [nn.Sequential(net.conv1, nn.ReLU(), net.conv2, nn.ReLU(), nn.MaxPool2d(2),  # PP: Net
+                           net.dropout1, nn.Flatten()),  # PP: up to flatten on rank 0, the rest
+             nn.Sequential(net.fc1, nn.ReLU(), net.dropout2, net.fc2)][world.rank]  # PP: on rank 1
+    stage = PipelineStage(model.to(world.device), world.rank, 2, world.device)  # PP: its layers
+    Schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]  # PP
+    # PP: only the last stage has the labels and the loss: loss_fn runs there, once a microbatch
+    schedule = Schedule(stage, args.microbatches, loss_fn=F.cross_entropy)  # PP: gradients / m
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    epochs = []  # measure: each epoch's timing and results
+    for epoch in range(1, args.epochs + 1):
+        train_batches = training(epoch)
+        train_batches = timed(train_batches, world, epochs)  # measure
+        train_loss = train_epoch(model, schedule, train_batches, optimizer, args, world, epoch)
+        test = evaluate(model, testing(), world)  # PP: through both stages
+        epochs[-1].update(epoch=epoch, train_loss=train_loss, **test)  # measure
+        scheduler.step()
+        if world.is_main:
+            print(f"epoch {epoch}: train loss {train_loss:.4f}, accuracy "
+                  f"{test['test_accuracy']:.2%} of {test['test_samples']} test samples", flush=True)
+    held = torch.zeros(2, dtype=torch.int64, device=world.device)  # measure: what each stage holds:
+    held[world.rank] = sum(t.nbytes for p in model.parameters()  # measure: weights, gradients,
+                           for t in [p, p.grad, *optimizer.state[p].values()] if t.dim())  # measure
+    dist.all_reduce(held)  # measure: Adadelta's averages (not its step counts), for rank 0's record
+    epochs[-1].update(bytes_per_rank=held.tolist(), microbatches=args.microbatches)  # measure
+    if args.save_model:  # PP: both ranks send their stage's tensors, in Net's order
+        weights = [None, None]  # PP: stage 0's, stage 1's
+        dist.all_gather_object(weights, [t.cpu() for t in model.state_dict().values()])  # PP
+    if world.is_main and args.save_model:
+        torch.save(dict(zip(net.state_dict(), weights[0] + weights[1])), args.save_model)  # PP
+    write_record(args.metrics_json, args, world, epochs)  # measure
+
+
+# ---- Measurement, for bench/ alone: delete it to `if __name__`, and the lines marked # measure.
+WARMUP_STEPS = 5  # left out of samples_per_s: the first steps pay for allocation and kernel choice
+
+
+def random_mnist(seed, train, device):  # --synthetic: MNIST's shapes and sizes, no download
+    rng = torch.Generator().manual_seed(seed)
+    images = torch.randn(60000 if train else 10000, 1, 28, 28, generator=rng)
+    return images.to(device), torch.randint(0, 10, (len(images),), generator=rng).to(device)
+
+
+def clock(device):  # seconds once the device is done: GPU work is queued, not yet done
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+    return time.perf_counter()
+
+
+def timed(train_batches, world, epochs):  # the same batches; appends the epoch's timing to epochs
+    starts = []  # of the warm-up steps and of the first timed one: at least one step is timed
+    for step, (inputs, labels) in enumerate(train_batches):
+        if step <= (0 if epochs else WARMUP_STEPS):  # warm-up: the first epoch's first steps
+            starts.append(clock(world.device))  # these wait for the device; later steps never do
+        yield inputs, labels
+    epochs.append(timing(world, starts, step + 1, len(labels)))
+
+
+def timing(world, starts, steps, batch):  # the samples of all ranks, in the slowest rank's time
+    seconds = [clock(world.device) - start for start in (starts[0], starts[-1])]  # all, steady
+    if torch.distributed.is_initialized():
+        seconds = torch.tensor(seconds, dtype=torch.float64, device=world.device)
+        torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
+    batch *= getattr(world, "data_ranks", world.world_size)  # ranks that share a batch count once
+    peaks = [torch.accelerator.max_memory_allocated(d) if d.type != "cpu" else None
+             for d in getattr(world, "devices", [world.device])]  # 02: one per GPU
+    return dict(steps=steps, train_samples=steps * batch, train_time_s=float(seconds[0]),
+                steady_samples=(steps - len(starts) + 1) * batch, steady_time_s=float(seconds[1]),
+                peak_memory_bytes=max(peaks), peak_memory_per_device=peaks)  # on the CPU: None
+
+
+def write_record(path, args, world, epochs):  # what only the run knows; bench/ adds its command
+    if not world.is_main:
+        return
+    chips, last, group = getattr(world, "devices", [world.device]), epochs[-1], world.world_size
+    sums = {k: sum(e[k] for e in epochs) for k in ["steps", "steady_samples", "steady_time_s"]}
+    record = dict(
+        schema=1, device_type=world.device.type, world_size=group * len(chips), **sums,
+        device_names=[torch.cuda.get_device_name(d) if d.type == "cuda" else d.type for d in chips],
+        nodes=getattr(world, "nodes", group // int(os.environ.get("LOCAL_WORLD_SIZE", group))),
+        backend=torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+        threads=torch.get_num_threads(), global_batch=last["train_samples"] // last["steps"],
+        train_samples=sum(e["train_samples"] for e in epochs), epochs_detail=epochs,
+        samples_per_s=sums["steady_samples"] / sums["steady_time_s"], test_loss=last["test_loss"],
+        test_accuracy=last["test_accuracy"], peak_memory_bytes=last["peak_memory_bytes"])
+    print(f"{os.path.basename(__file__)}: {record['samples_per_s']:.0f} samples/s, world size "
+          f"{record['world_size']}, {world.device}{', random data' if args.synthetic else ''}")
+    if path:  # whole or not at all: renamed once written
+        with open(f"{path}.tmp", "w") as f:
+            json.dump(record, f, indent=2)
+        os.replace(f"{path}.tmp", path)
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    run(args, setup(args))
+    dist.destroy_process_group()  # DDP
