@@ -46,18 +46,21 @@ class BatchRule:
     says: str  # the rule in words, for the report
     one_loader: bool = False  # one process loads the whole global batch and splits it across its devices
     shared: bool = False  # every rank trains on the same batch: the global batch is B at every n
+    shared_by: int = 1  # groups of this many ranks each train on one batch B: n / shared_by x B in all
 
     def loader_batch(self, per_device_batch, n):
         """The run's --batch-size."""
         return n * per_device_batch if self.one_loader else per_device_batch
 
     def global_batch(self, per_device_batch, n):
-        return per_device_batch if self.shared else n * per_device_batch
+        return per_device_batch if self.shared else n // self.shared_by * per_device_batch
 
 
 REPLICAS = BatchRule("replicas", "B in each of n processes, n x B in all")
 ONE_LOADER = BatchRule("one loader", "--batch-size n x B in one process, split across n GPUs", one_loader=True)
 SHARED = BatchRule("shared", "every rank on the same batch B, so B in all at every n", shared=True)
+TP_GROUPS = BatchRule("tp groups", "B per dp rank, shared by its 2 tensor-parallel ranks: n / 2 x B in all",
+                      shared_by=2)  # 11's TP, its ranks per group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +128,10 @@ MODES = {mode.name: mode for mode in [
          flags=("--microbatches", "--schedule"),
          collectives="a send of each microbatch's activations (B/m x 9216) from stage 0 to stage 1 in the "
                      "forward, one of their gradient back in the backward; a broadcast of the loss"),
+    Mode("fsdp_tp", "11_fsdp_tp_mesh.py", "09_tensor_parallel.py", "2D", 60, 400, TORCHRUN, TP_GROUPS,
+         runs_with=lambda n, cpu: n % 4 == 0, why="11 needs a 2 x 2 mesh or larger: n a multiple of 4",
+         collectives="09's two all-reduces within each pair of tensor-parallel ranks; across the n / 2 pairs "
+                     "08's all-gather of each layer's weights and reduce-scatter of its gradients"),
 ]}
 
 

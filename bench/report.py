@@ -100,7 +100,8 @@ def allreduce_seconds(env):
 
 def limit_model(summary, allreduce_s):
     """Each multi-device row against its limit (the model is explained in the template's limit block)."""
-    data_parallel = [name for name, mode in MODES.items() if not mode.reference and not mode.batch.shared]
+    data_parallel = [name for name, mode in MODES.items()
+                     if not mode.reference and not mode.batch.shared and mode.batch.shared_by == 1]
     rows = with_01(summary[summary["mode"].isin(data_parallel)], summary).dropna(subset=["x01"])
     per_device_batch, n = rows["per_device_batch"], rows["n"]
     t1 = n * per_device_batch / (ideal_speedups(rows) * rows["x01"])  # B / X(01) on GPUs, n B / X(01) on shared cores
@@ -183,6 +184,8 @@ def head(env, summary, settings):
     notes = " ".join(BLOCKS[f"shared_{name}"] for name in shared)
     scripts = ", ".join(MODES[name].number for name in shared)
     reference += "\n\n" + BLOCKS["shared_batch"].format(scripts=scripts, notes=notes) if shared else ""
+    groups = [MODES[name].number for name in MODES if MODES[name].batch.shared_by > 1 and name in set(summary["mode"])]
+    reference += "\n\n" + BLOCKS["tp_groups"].format(scripts=", ".join(groups)) if groups else ""
     return BLOCKS["head"].format(
         hardware=env["hardware"], devices="processes" if settings.cpu else "GPUs", loader=loader_line(env, summary),
         reference=reference.format(cores=settings.cores),

@@ -136,6 +136,12 @@ def script_command(script, *args, nprocs=None, launcher=()):
     return launch(by_script(script), ROOT / script, nprocs, launcher) + [str(a) for a in args]
 
 
+def processes_for(mode, least=2):
+    """The fewest processes, at least `least`, that a mode of process groups runs with in a CPU sweep (its row's
+    runs_with): 2 for most, 4 for 11's 2 x 2 mesh."""
+    return next(n for n in range(least, 65) if mode.runs_with(n, True))
+
+
 def train_args(data_dir, out, *extra):
     """A short training's flags: the record to out/metrics.json, the weights to out/model.pt, a line per step."""
     return ["--data-dir", data_dir, "--metrics-json", out / "metrics.json", "--save-model", out / "model.pt",

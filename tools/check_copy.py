@@ -10,8 +10,8 @@ The copy is started as its parent is: torchrun (03, 06, 08), --nprocs (04), -n 1
 shards its training set with torch.utils.data.DistributedSampler and scores its test rows in eval() without
 gradients. tools/copy_hook (on the runs' PYTHONPATH) records each process's sampler orders, the rows it scored
 and the files it wrote; none of the copy's own measurement is needed. Per guarantee it prints `holds` or
-`BROKEN` and what it saw, and exits 0 only if all hold. 09 and 10, whose ranks share every batch, are refused in
-one line.
+`BROKEN` and what it saw, and exits 0 only if all hold. 09, 10 and 11, whose ranks share every batch, are refused
+in one line.
 """
 import argparse
 import json

@@ -164,10 +164,11 @@ def test_the_page_shows_the_worked_copys_dataset_and_collate_as_they_are():
 
 
 @pytest.mark.parametrize("script, kind", [("09_tensor_parallel.py", "tensor parallel"),
-                                          ("10_pipeline_parallel.py", "pipeline parallel")])
+                                          ("10_pipeline_parallel.py", "pipeline parallel"),
+                                          ("11_fsdp_tp_mesh.py", "tensor parallel")])
 def test_the_checker_refuses_a_tensor_or_pipeline_parallel_script_before_any_run(script, kind):
-    """09's and 10's ranks share every batch: disjoint shards would read as BROKEN, so the checker says why it cannot
-    judge."""
+    """09's and 10's ranks, and each pair of 11's, share every batch: disjoint shards would read as BROKEN, so the
+    checker says why it cannot judge."""
     result = run([sys.executable, CHECKER, ROOT / "03_ddp_launch.py", ROOT / script], timeout=60, check=False)
     assert_fails_clearly(result, f"{script} is {kind}")
     assert result.stdout == "", f"03 was checked before {script} was refused"

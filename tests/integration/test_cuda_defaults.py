@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import MODES, QUICK_TEST_IMAGES, as_on_cuda, free_port, run, run_two_nodes, script_command
+from helpers import (MODES, QUICK_TEST_IMAGES, as_on_cuda, free_port, processes_for, run, run_two_nodes,
+                     script_command)
 from bench import plan
 
 STEPS = 8  # one epoch of 8 steps: a host read made at every step would be counted 8 times
-PROCESSES = 2
+PROCESSES = 2  # or the fewest a mode's row runs with (helpers.processes_for: 4 for 11's 2 x 2 mesh)
 RANK_WEIGHTS = Path(__file__).resolve().parent / "rank_weights"  # each rank's tensors, saved as it exits
 LOOP = {"train_epoch", "training_step", "timed"}  # the functions a training step passes through, in every script
 
@@ -34,7 +35,8 @@ def trained(name, data_dir, tmp_path, hooks=(), env=None):
         run_two_nodes(*args, timeout=240, env=env)
     else:
         args += ["--master-port", free_port()] if "--master-port" in mode.flags else []
-        run(script_command(mode.script, *args, nprocs=PROCESSES if mode.collective else None), timeout=240, env=env)
+        nprocs = processes_for(mode, PROCESSES) if mode.collective else None
+        run(script_command(mode.script, *args, nprocs=nprocs), timeout=240, env=env)
     record = json.loads((tmp_path / "metrics.json").read_text())
     assert record["epochs_detail"][0]["test_samples"] == QUICK_TEST_IMAGES
     lines = [json.loads(line) for line in log.read_text().splitlines()]

@@ -63,7 +63,9 @@ def two_ranks_command(mode, rank, port):
     return None
 
 
-TWO_RANKS = [m.script for m in MODES.values() if two_ranks_command(m, 0, 0) and m.runs_with(2, False)]
+# 11 too, as a 1 x 2 mesh (dp = 1): a sweep runs it at n = 4, 8... only, but its CUDA paths are the same.
+TWO_RANKS = [m.script for m in MODES.values()
+             if two_ranks_command(m, 0, 0) and (m.runs_with(2, False) or m.batch.shared_by == 2)]
 ONE_GPU_EACH = [m.script for m in MODES.values() if m.script not in TWO_RANKS]
 REFERENCE = "01_single_gpu.py"  # every run's weights are compared with its
 
@@ -98,7 +100,7 @@ def train_at_once(scripts, tmp, timeout):
         out[script] = tmp / script
         out[script].mkdir()
         n, argvs = commands(mode, free_port())
-        per_device = GLOBAL_BATCH if mode.batch.shared else GLOBAL_BATCH // n
+        per_device = GLOBAL_BATCH if mode.batch.shared else GLOBAL_BATCH * mode.batch.shared_by // n  # 11: a pair's
         args = ["--synthetic", "--max-steps", 4, "--log-interval", 0, "--no-dropout", "--batch-size",
                 mode.batch.loader_batch(per_device, n), "--metrics-json", out[script] / "m.json",
                 "--save-model", out[script] / "model.pt"] + ["--snapshot", out[script] / "snapshot.pt"] * mode.snapshot

@@ -47,8 +47,10 @@ def test_cpu_runs_share_the_cores_each_process_getting_cores_over_n_threads():
 def test_gpu_commands_follow_the_batch_size_rules_and_use_the_harness_interpreter():
     settings = gpu_settings(["4", "5", "6", "7"])
     runs, _ = plan.plan(settings, MODES, [("base", [])], repeats=1)
-    assert [(r.mode, r.n) for r in runs] == [(m, 1) for m in AVAILABLE if m not in {"ddp_multinode"} | TWO_ONLY] + [
-        (m, n) for n in (2, 4) for m in AVAILABLE if m != "single" and (n == 2 or m not in TWO_ONLY)]
+    only = {"ddp_multinode": (2, 4), "fsdp_tp": (4,), "pipeline_parallel": (2,)}  # 05 needs 2 nodes, 11 4, 10 2
+    assert [(r.mode, r.n) for r in runs] == [(m, n) for n in (1, 2, 4) for m in AVAILABLE
+                                             if n in only.get(m, (1, 2, 4)) and (m, n) != ("single", 2)
+                                             and (m, n) != ("single", 4)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     for run in runs:
         cmds = commands(run, settings, "m.json", "run/snapshot.pt")
@@ -197,6 +199,25 @@ def test_the_plots_ideal_line_and_the_reports_text_say_which_reference(monkeypat
     assert ("E(n) = X(n) / (n X(01)): n GPUs" in text) == (device_type == "cuda")
 
 
+def test_the_report_says_what_e_n_is_where_ranks_share_a_batch_and_leaves_them_out_of_the_limit_model():
+    """09's n ranks train one batch B, 11's n / 2 pairs one B each: neither global batch is n x B, so the report's
+    head says what their E(n) is, each only where it ran, and the limit model (n x B a step) leaves both out."""
+    rule = MODES["fsdp_tp"].batch
+    assert (rule.loader_batch(64, 8), rule.global_batch(64, 8)) == (64, 4 * 64)  # B per pair, 4 pairs
+    rows = [("single", 1, 1000.0), ("ddp_launch", 4, 3000.0), ("tensor_parallel", 4, 1500.0), ("fsdp_tp", 4, 2500.0)]
+    runs = pd.DataFrame([dict(variant="base", per_device_batch=64, mode=m, n=n, samples_per_s=x, status="ok",
+                              device_type="cuda") for m, n, x in rows])
+    summary = report.summarize(runs.reindex(columns=runs_csv.COLUMNS)).assign(held_mib=float("nan"))
+    settings = dataclasses.replace(gpu_settings(["0", "1", "2", "3"]), max_n=4)
+    text = report.head(dict(hardware="a machine"), summary, settings)
+    assert "**09: n ranks, one batch.**" in text
+    assert "**11: n / 2 pairs of ranks, each pair on one batch B.**" in text and "n / 2 x B, not n x B" in text
+    assert "B per dp rank, shared by its 2 tensor-parallel ranks: n / 2 x B in all" in text  # the rules' table
+    assert set(report.limit_model(summary, {4: 0.01})["mode"]) == {"ddp_launch"}
+    without = report.head(dict(hardware="a machine"), summary[summary["mode"] != "fsdp_tp"], settings)
+    assert "**09: n ranks" in without and "pairs of ranks" not in without
+
+
 def test_held_memory_per_rank_is_08s_fullest_rank_in_the_summary_and_memory_png(tmp_path, monkeypatch):
     """From runs.csv and the metrics records as a sweep leaves them: 08's ranks hold unequal shares (rows split
     unevenly), and the column, like the plot, is the fullest rank's, not their sum, nor the one of rank 0."""
@@ -275,8 +296,9 @@ def test_the_default_cpu_sweep_runs_each_mode_once_with_the_same_images_in_each_
     planned = [line.split(":")[0].strip() for line in out.splitlines()
                if line.startswith("  ") and "left out" not in line]
     singles = [m for m in ("single", "dp") if m in AVAILABLE]
-    assert planned == [f"{m}-n1-b64-r1" for m in singles] + [f"{m}-n2-b64-r1" for m in AVAILABLE if m not in singles]
-    for mode in set(AVAILABLE) - {"single", "dp", "ddp_multinode"} - TWO_ONLY:
+    at_2 = [m for m in AVAILABLE if m not in singles and MODES[m].runs_with(2, True)]  # 11 needs 4: never here
+    assert planned == [f"{m}-n1-b64-r1" for m in singles] + [f"{m}-n2-b64-r1" for m in at_2]
+    for mode in {m for m in AVAILABLE if MODES[m].runs_with(1, True)} - {"single", "dp"}:  # 05 needs 2, 11 4, 10 2
         assert f"left out: {MODES[mode].script} at n = 1 (a CPU sweep to n > 1" in out, mode
     for mode in TWO_ONLY & set(AVAILABLE):
         assert f"left out: {MODES[mode].script} at n = 1 ({MODES[mode].why})" in out, mode
@@ -288,19 +310,20 @@ def test_the_default_cpu_sweep_runs_each_mode_once_with_the_same_images_in_each_
         assert steps * mode.batch.global_batch(64, n) == defaults["epoch_images"], line  # the same images at every n
     settings = dataclasses.replace(gpu_settings([]), max_n=1, **{k: defaults[k] for k in ("epochs", "epoch_images")})
     runs, _ = plan.plan(settings, MODES, [("base", [])], repeats=1)
-    assert {r.mode for r in runs} == set(AVAILABLE) - {"ddp_multinode"} - TWO_ONLY  # --cpu 1: every mode at n = 1
+    assert {r.mode for r in runs} == set(AVAILABLE) - {"ddp_multinode", "fsdp_tp"} - TWO_ONLY  # every mode at n = 1
 
 
 def test_the_estimate_before_the_default_cpu_sweep_is_within_a_fifth_of_the_committed_sweeps_time():
     """results/cpu-2core-amd-epyc is the default CPU sweep of a quiet 2-core VM (the same runs, epochs and steps):
     the estimate that run_all prints before a sweep must agree with what that sweep took. The modes added since
-    (09, 10) are left out of both: the default plan is that sweep's runs and theirs."""
+    (09, 10, 11) are left out of both: the default plan is that sweep's runs and theirs."""
     committed = read_runs(ROOT / "results" / "cpu-2core-amd-epyc").set_index("run_id")
     defaults = run_all.DEFAULTS["cpu"]
     settings = dataclasses.replace(gpu_settings([]), max_n=defaults["processes"], cores=2, per_device_batches=[64],
                                    synthetic=False, **{k: defaults[k] for k in ("epochs", "epoch_images")})
     swept = [name for name in MODES if name in set(committed["mode"])]
-    assert set(MODES) - set(swept) == {"tensor_parallel", "pipeline_parallel"}, "a mode without a committed CPU sweep"
+    left = {"tensor_parallel", "pipeline_parallel", "fsdp_tp"}
+    assert set(MODES) - set(swept) == left, "a mode without a committed CPU sweep"
     runs, _ = plan.plan(settings, swept, [("base", [])], repeats=1)
     assert sorted(r.run_id for r in runs) == sorted(committed.index)
     for run in runs:
@@ -351,7 +374,7 @@ def test_every_script_accepts_the_commands_the_harness_gives_it(settings, tmp_pa
     """Each planned command's script flags, parsed by that script's own parse_args (the sweep below runs some
     of the modes for real; tests/unit/test_each_mode_runs.py trains every mode as a user starts it)."""
     runs, _ = plan.plan(settings, MODES, [("base", [])], repeats=1)
-    assert {run.mode for run in runs} == set(AVAILABLE)
+    assert {run.mode for run in runs} == set(AVAILABLE) - ({"fsdp_tp"} if settings.max_n < 4 else set())  # 11: 4
     for run in runs:
         for _, argv in commands(run, settings, tmp_path / "m.json", tmp_path / "s.pt"):
             script = next(arg for arg in argv if arg.endswith(".py"))

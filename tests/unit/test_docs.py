@@ -23,8 +23,8 @@ from bench.family import COMMON_FLAGS
 # Definitions that every numbered script carries word for word.
 SHARED = ["Net", "in_range", "writable", "MNIST", "collate", "batches", "clock"]
 # The data seam, load_data: one text for the scripts whose ranks each take a share (01 and 02 as the one rank of 1),
-# another for those that also take as many test batches on every rank (08, and 09, whose every rank takes all).
-SEAMS = [["01", "02", "03", "04", "05", "07", "10"], ["08", "09"]]
+# another for those that also take as many test batches on every rank (08 and 11, and 09, whose every rank takes all).
+SEAMS = [["01", "02", "03", "04", "05", "07", "10"], ["08", "09", "11"]]
 NUMBERED = sorted(path.name for path in ROOT.glob("[0-9][0-9]_*.py"))
 TOOL = ROOT / "tools" / "script_diffs.py"
 # The Markdown a reader is sent to; docs/diffs/ is generated and checked by the tool.

@@ -1,0 +1,330 @@
+"""MNIST on a 2-D mesh: FSDP2 across groups of TP ranks that split fc1 and fc2; 01's update.
+
+    torchrun --standalone --nproc_per_node 4 11_fsdp_tp_mesh.py        # 2 x 2: 4 GPUs or processes
+    torchrun --standalone --nproc_per_node 4 11_fsdp_tp_mesh.py --cpu  # one GPU: try it on the CPU
+--batch-size is the batch of one TP group, which its ranks share: n / TP x that in all.
+Lightning: ModelParallelStrategy(data_parallel_size, tensor_parallel_size) builds such a mesh.
+"""
+import argparse
+import json  # measure
+import math  # FSDP
+import os
+import sys
+import tempfile
+import time  # measure
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist  # DDP
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # FSDP
+from torch.distributed.device_mesh import init_device_mesh  # TP
+from torch.distributed.fsdp import fully_shard  # 2D: FSDP2, as in 08
+from torch.distributed.tensor import DTensor  # measure: FSDP, for held_bytes
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # TP
+from torch.distributed.tensor.parallel import parallelize_module  # TP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torchvision import datasets
+
+TP = 2  # 2D: the ranks of one tensor-parallel group; the n / TP groups are data parallel
+
+
+class Net(nn.Module):  # the classic PyTorch MNIST CNN, about 1.2 M parameters
+    def __init__(self, dropout=True):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(0.25 if dropout else 0.0)
+        self.dropout2 = nn.Dropout(0.5 if dropout else 0.0)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = self.conv1(x)
+        x = F.relu(x)
+        x = self.conv2(x)
+        x = F.relu(x)
+        x = F.max_pool2d(x, 2)
+        x = self.dropout1(x)
+        x = torch.flatten(x, 1)
+        x = self.fc1(x)
+        x = F.relu(x)
+        x = self.dropout2(x)
+        return self.fc2(x)
+
+
+def in_range(low, high=float("inf"), cast=int):  # an argparse type: low <= x < high, never NaN
+    def number(text):
+        if not low <= cast(text) < high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}), got {text}")
+        return cast(text)
+    return number
+
+
+def writable(path):  # an argparse type: a file we can write, tried now by writing beside it
+    try:
+        tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))).close()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {path}: {e.strerror}")
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"cannot write {path}: it is a folder")
+    return path
+
+
+def parse_args(argv=None):  # each flag checked as it is read: a bad value must not cost a run
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
+                                exit_on_error=False)
+    p.add_argument("--data-dir", default="data", help="the data's folder")
+    p.add_argument("--synthetic", action="store_true", help="random data: speed only")  # measure
+    p.add_argument("--epochs", type=in_range(1), default=1)
+    p.add_argument("--batch-size", type=in_range(1), default=64, help="batch of this process")
+    p.add_argument("--test-batch-size", type=in_range(1), default=1000)
+    p.add_argument("--lr", type=in_range(0.0, cast=float), default=1.0, help="x0.7 each epoch")
+    p.add_argument("--seed", type=in_range(0, 2**32), default=1)
+    p.add_argument("--max-steps", type=in_range(0), default=0, help="steps per epoch (0: all)")
+    p.add_argument("--log-interval", type=in_range(0), default=100, help="steps between lines")
+    p.add_argument("--cpu", action="store_true", help="ignore GPUs")
+    p.add_argument("--threads", type=in_range(0), default=0, help="CPU threads (0: PyTorch's)")
+    p.add_argument("--no-dropout", action="store_true", help="for exact comparisons of modes")
+    p.add_argument("--save-model", type=writable, metavar="PATH", help="save the weights here")
+    p.add_argument("--metrics-json", type=writable, metavar="PATH", help="the record")  # measure
+    try:
+        return p.parse_args(argv)
+    except argparse.ArgumentError as e:
+        sys.exit(f"error: {e}")  # one line on stderr, exit status 1, as every bad input here
+
+
+def setup(args):  # where this process trains (an accelerator if there is one); is it the main one
+    if "RANK" not in os.environ:  # DDP: torchrun tells each process who it is
+        sys.exit(f"error: start me with torchrun --standalone --nproc_per_node N {__file__}")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP: of all
+    local_rank, per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])  # DDP
+    accelerator = torch.accelerator.current_accelerator(check_available=True)  # CUDA, MPS, XPU...
+    device = torch.device("cpu") if args.cpu or accelerator is None else accelerator
+    if device.type == "mps":  # DDP: no backend takes MPS tensors today
+        print("DDP cannot use MPS: training on the CPU", file=sys.stderr)
+        device = torch.device("cpu")
+    if device.type != "cpu":  # DDP: one GPU per process, the current device for collectives
+        if per_node > torch.accelerator.device_count():
+            sys.exit(f"error: {per_node} processes on this machine but "
+                     f"{torch.accelerator.device_count()} GPU(s): start fewer, or add --cpu to try "
+                     "DDP on the CPU")
+        device = torch.device(device.type, local_rank)
+        torch.accelerator.set_device_index(local_rank)
+    torch.set_num_threads(args.threads or torch.get_num_threads())  # 0: PyTorch's choice
+    backend = dist.get_default_backend_for_device(device)  # DDP: gloo for the CPU, nccl for CUDA
+    backend = backend if dist.is_backend_available(backend) else "gloo"  # Windows: no NCCL
+    dist.init_process_group(backend, device_id=None if device.type == "cpu" else device)
+    return SimpleNamespace(device=device, world_size=world_size, local_rank=local_rank,
+                           is_main=rank == 0)  # 2D: no rank: the mesh says which batches each takes
+
+
+class MNIST(Dataset):  # one split, fetched if missing, kept on the device: no input pipeline
+    def __init__(self, args, train, device):
+        if args.synthetic:  # measure
+            self.images, self.labels = random_mnist(args.seed + train, train, device)  # measure
+            return  # measure
+        try:
+            mnist = datasets.MNIST(args.data_dir, train=train, download=True)
+        except Exception as e:
+            cause = (str(e).strip() or type(e).__name__).splitlines()[-1]  # last line: the cause
+            sys.exit(f"error: cannot load MNIST from {args.data_dir} ({cause}); a corrupt file: "
+                     f"delete it; offline: copy the raw files into {args.data_dir}/MNIST/raw/")
+        images = (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081  # MNIST's mean and std
+        self.images, self.labels = images.to(device), mnist.targets.to(device)  # fits any GPU
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitems__(self, rows):  # a DataLoader asks for a batch's rows at once: one indexing
+        index = torch.tensor(rows).to(self.labels.device, non_blocking=True)  # not waiting for it
+        return self.images[index], self.labels[index]
+
+
+def collate(batch):
+    """The DataLoader's collate_fn: the rows the Dataset gave, as one batch (inputs, labels)."""
+    return batch  # MNIST's __getitems__ made it already
+
+
+def batches(dataset, rows, batch_size, seed):  # these rows in this order; the last may be short
+    seeds = torch.Generator().manual_seed(seed)  # the workers' seeds: not from dropout's RNG
+    return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, generator=seeds,
+                      num_workers=0, pin_memory=False)  # files: 2-8 workers, pinned on CUDA
+
+
+def load_data(args, rank, world_size, device):
+    """This rank's share: training(epoch)'s full batches, reshuffled; testing()'s rows, once."""
+    train_set, test_set = MNIST(args, True, device), MNIST(args, False, device)
+    sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
+    test_rows = range(rank, len(test_set), world_size)  # a sampler would pad with repeated rows
+    steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))  # full batches
+    if steps == 0:
+        sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(sampler)} samples")
+    def training(epoch):
+        sampler.set_epoch(epoch)  # a new shuffle of all the training samples every epoch
+        order = list(sampler)[:steps * args.batch_size]
+        return batches(train_set, order, args.batch_size, args.seed + epoch)
+    def testing():
+        count = math.ceil(len(test_set) / world_size / args.test_batch_size)  # FSDP: rank 0's
+        split = torch.tensor(test_rows).tensor_split(count)  # FSDP: as many batches on every rank
+        return DataLoader(test_set, batch_sampler=[rows.tolist() for rows in split],  # FSDP: each
+                          collate_fn=collate, generator=torch.Generator())  # forward all-gathers
+    return training, testing
+
+
+def train_epoch(model, train_batches, optimizer, args, world, epoch):  # the mean training loss
+    model.train()
+    loss_sum = torch.zeros((), device=world.device)  # float32: MPS has no float64
+    for step, (inputs, labels) in enumerate(train_batches):
+        optimizer.zero_grad(set_to_none=True)
+        output = model(inputs.to(world.device, non_blocking=True))  # no-op if there already
+        loss = F.cross_entropy(output, labels.to(world.device, non_blocking=True))
+        loss.backward()
+        optimizer.step()
+        loss_sum += loss.detach()  # summed on the device: no waiting for the GPU
+        if world.is_main and args.log_interval and step % args.log_interval == 0:
+            print(f"epoch {epoch} step {step} loss {loss.item():.4f}", flush=True)
+    dist.all_reduce(loss_sum)  # DDP: summed over all ranks, each of which took as many steps
+    return loss_sum.item() / (step + 1) / world.world_size
+
+
+@torch.no_grad()
+def evaluate(net, test_batches, world):  # loss, accuracy, and how many samples were scored
+    net.eval()
+    for buffer in net.buffers():  # DDP: all ranks test rank 0's model (BatchNorm's statistics)
+        dist.broadcast(buffer, 0)
+    loss_sum, correct, count = 0.0, 0, 0
+    for inputs, labels in test_batches:  # 2D: its TP group's share, the same on each of its ranks
+        inputs, labels = inputs.to(world.device), labels.to(world.device)
+        output = net(inputs)
+        loss_sum += F.cross_entropy(output, labels, reduction="sum").item()
+        correct += (output.argmax(dim=1) == labels).sum().item()
+        count += len(labels)  # counted, not assumed: a dropped or a repeated row would show
+    totals = torch.tensor([loss_sum, correct, count], device=world.device)  # 2D: as 08
+    dist.all_reduce(totals, group=world.dp_group)  # 2D: over dp only: its TP ranks scored the same
+    loss_sum, correct, count = totals.tolist()  # 2D
+    return dict(test_loss=loss_sum / count, test_accuracy=correct / count, test_samples=int(count))
+
+
+def run(args, world):
+    torch.manual_seed(args.seed)  # 2D: on every rank the same weights (fully_shard copies none)
+    # TP: each rank computes the convs' gradients alone; cuDNN's fastest kernels sum in any order:
+    torch.backends.cudnn.deterministic = True  # TP: else the ranks' copies drift apart by rounding
+    net = Net(dropout=not args.no_dropout).to(world.device)  # 2D: first, to check the mesh
+    if world.world_size % TP or net.fc1.out_features % TP:  # 2D: before any work
+        sys.exit(f"error: {world.world_size} ranks make no dp x {TP} mesh whose TP ranks split "
+                 f"fc1's {net.fc1.out_features} outputs: start a multiple of {TP} processes")  # 2D
+    dp = world.world_size // TP  # 2D: TP groups, each one data-parallel replica
+    mesh = init_device_mesh(world.device.type, (dp, TP), mesh_dim_names=("dp", "tp"))  # 2D
+    world.dp_group = mesh.get_group("dp")  # 2D: one rank of each TP group, all with the same slices
+    if world.local_rank != 0:
+        dist.barrier()  # DDP: one process per machine makes the files (MNIST: a download) first
+    training, testing = load_data(args, mesh.get_local_rank("dp"), dp, world.device)  # 2D
+    world.data_ranks = dp  # 2D: the record counts each group's batch once  # measure
+    if world.local_rank == 0:
+        dist.barrier()  # DDP: the files are there
+    torch.manual_seed(args.seed + mesh.get_local_rank("dp"))  # 2D: each TP group's own dropout
+    plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}  # TP: 1 all-reduce each way
+    parallelize_module(net, mesh["tp"], plan)  # 2D: TP inside each dp group, as in 09
+    for layer in net.children():  # 2D: then FSDP across the groups, layer by layer, as in 08
+        fully_shard(layer, mesh=mesh["dp"])  # 2D
+    model = fully_shard(net, mesh=mesh["dp"])  # 2D: the root; each rank holds 1/n of fc1 and fc2
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)  # 2D: as 08: all DTensors
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    epochs = []  # measure: each epoch's timing and results
+    for epoch in range(1, args.epochs + 1):
+        train_batches = training(epoch)
+        train_batches = timed(train_batches, world, epochs)  # measure
+        train_loss = train_epoch(model, train_batches, optimizer, args, world, epoch)
+        test = evaluate(net, testing(), world)
+        epochs[-1].update(epoch=epoch, train_loss=train_loss, **test)  # measure
+        scheduler.step()
+        if world.is_main:
+            print(f"epoch {epoch}: train loss {train_loss:.4f}, accuracy "
+                  f"{test['test_accuracy']:.2%} of {test['test_samples']} test samples", flush=True)
+    epochs[-1].update(held_bytes(model, optimizer, world))  # measure: the bytes each rank holds
+    if args.save_model:  # FSDP: every rank sends its shards, rank 0 saves one plain state dict
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(model, options=options)  # empty on the other ranks
+        if world.is_main:
+            torch.save(weights, args.save_model)
+    write_record(args.metrics_json, args, world, epochs)  # measure
+
+
+def held_bytes(model, optimizer, world):  # FSDP: what each rank holds, and DDP's copy  # measure
+    tensors = [t for p in model.parameters()  # measure: weights, gradients, optimizer state
+               for t in [p, p.grad, *optimizer.state[p].values()]  # measure
+               if t.dim()]  # TP: all but Adadelta's step counts  # measure
+    held = torch.zeros(world.world_size, dtype=torch.int64, device=world.device)  # measure
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]  # measure  # TP
+    held[dist.get_rank()] = sum(t.nbytes for t in local)  # 2D: its shards of slices  # measure
+    dist.all_reduce(held)  # measure: every rank's, for rank 0's record
+    full = sum(t.numel() * t.element_size() for t in tensors)  # measure: a DTensor's is the whole's
+    return dict(bytes_per_rank=held.tolist(), full_copy_bytes=full)  # measure
+
+
+# ---- Measurement, for bench/ alone: delete it to `if __name__`, and the lines marked # measure.
+WARMUP_STEPS = 5  # left out of samples_per_s: the first steps pay for allocation and kernel choice
+
+
+def random_mnist(seed, train, device):  # --synthetic: MNIST's shapes and sizes, no download
+    rng = torch.Generator().manual_seed(seed)
+    images = torch.randn(60000 if train else 10000, 1, 28, 28, generator=rng)
+    return images.to(device), torch.randint(0, 10, (len(images),), generator=rng).to(device)
+
+
+def clock(device):  # seconds once the device is done: GPU work is queued, not yet done
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+    return time.perf_counter()
+
+
+def timed(train_batches, world, epochs):  # the same batches; appends the epoch's timing to epochs
+    starts = []  # of the warm-up steps and of the first timed one: at least one step is timed
+    for step, (inputs, labels) in enumerate(train_batches):
+        if step <= (0 if epochs else WARMUP_STEPS):  # warm-up: the first epoch's first steps
+            starts.append(clock(world.device))  # these wait for the device; later steps never do
+        yield inputs, labels
+    epochs.append(timing(world, starts, step + 1, len(labels)))
+
+
+def timing(world, starts, steps, batch):  # the samples of all ranks, in the slowest rank's time
+    seconds = [clock(world.device) - start for start in (starts[0], starts[-1])]  # all, steady
+    if torch.distributed.is_initialized():
+        seconds = torch.tensor(seconds, dtype=torch.float64, device=world.device)
+        torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
+    batch *= getattr(world, "data_ranks", world.world_size)  # ranks that share a batch count once
+    peaks = [torch.accelerator.max_memory_allocated(d) if d.type != "cpu" else None
+             for d in getattr(world, "devices", [world.device])]  # 02: one per GPU
+    return dict(steps=steps, train_samples=steps * batch, train_time_s=float(seconds[0]),
+                steady_samples=(steps - len(starts) + 1) * batch, steady_time_s=float(seconds[1]),
+                peak_memory_bytes=max(peaks), peak_memory_per_device=peaks)  # on the CPU: None
+
+
+def write_record(path, args, world, epochs):  # what only the run knows; bench/ adds its command
+    if not world.is_main:
+        return
+    chips, last, group = getattr(world, "devices", [world.device]), epochs[-1], world.world_size
+    sums = {k: sum(e[k] for e in epochs) for k in ["steps", "steady_samples", "steady_time_s"]}
+    record = dict(
+        schema=1, device_type=world.device.type, world_size=group * len(chips), **sums,
+        device_names=[torch.cuda.get_device_name(d) if d.type == "cuda" else d.type for d in chips],
+        nodes=getattr(world, "nodes", group // int(os.environ.get("LOCAL_WORLD_SIZE", group))),
+        backend=torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+        threads=torch.get_num_threads(), global_batch=last["train_samples"] // last["steps"],
+        train_samples=sum(e["train_samples"] for e in epochs), epochs_detail=epochs,
+        samples_per_s=sums["steady_samples"] / sums["steady_time_s"], test_loss=last["test_loss"],
+        test_accuracy=last["test_accuracy"], peak_memory_bytes=last["peak_memory_bytes"])
+    print(f"{os.path.basename(__file__)}: {record['samples_per_s']:.0f} samples/s, world size "
+          f"{record['world_size']}, {world.device}{', random data' if args.synthetic else ''}")
+    if path:  # whole or not at all: renamed once written
+        with open(f"{path}.tmp", "w") as f:
+            json.dump(record, f, indent=2)
+        os.replace(f"{path}.tmp", path)
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    run(args, setup(args))
+    dist.destroy_process_group()  # DDP
