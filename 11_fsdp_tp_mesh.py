@@ -296,7 +296,7 @@ def timing(world, starts, steps, batch):  # the samples of all ranks, in the slo
         torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
     batch *= getattr(world, "data_ranks", world.world_size)  # ranks that share a batch count once
     peaks = [torch.accelerator.max_memory_allocated(d) if d.type != "cpu" else None
-             for d in getattr(world, "devices", [world.device])]  # 02: one per GPU
+             for d in getattr(world, "devices", [world.device])]  # DataParallel: one per GPU
     return dict(steps=steps, train_samples=steps * batch, train_time_s=float(seconds[0]),
                 steady_samples=(steps - len(starts) + 1) * batch, steady_time_s=float(seconds[1]),
                 peak_memory_bytes=max(peaks), peak_memory_per_device=peaks)  # on the CPU: None

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -92,6 +93,25 @@ def statistics_after_training(rank):
     return after_training, net[1].running_mean.clone()
 
 
+def evaluate_on_rank_0_alone(rank):
+    """After a training step, rank 0 alone evaluates the DDP model of a BatchNorm net, as a user might under
+    `if rank == 0:`, on a group that gives up after 3 s: what its forward raised, and how long it waited."""
+    torch.manual_seed(0)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))
+    model = DDP(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), process_group=group)
+    model(torch.randn(16, 4)).sum().backward()  # both ranks: one training step's forward and backward
+    if rank != 0:
+        time.sleep(6)  # rank 1 goes on to other work; it never calls that forward
+        return None
+    start = time.monotonic()
+    try:
+        with torch.no_grad():
+            model.eval()(torch.randn(16, 4))
+    except RuntimeError as e:
+        return str(e).splitlines()[0], time.monotonic() - start
+    return "", time.monotonic() - start
+
+
 def wrong_device(rank):
     """The posts' order: DDP(model, device_ids=[local_rank]) while the model is still on the CPU."""
     try:
@@ -135,6 +155,7 @@ EXPERIMENTS = {"backward inside": lambda rank: accumulate(rank, forward_inside=F
                "buffers not synced": lambda rank: buffers_before_forward(rank, False),
                "statistics": statistics_after_training,
                "wrong device": wrong_device,
+               "rank 0 alone": evaluate_on_rank_0_alone,
                "prefix": state_dict_prefix,
                "mismatch": mismatched_collectives}  # last: it leaves a group with a failed collective
 
@@ -179,6 +200,12 @@ def test_ranks_running_statistics_differ_after_training_until_rank_0s_are_broadc
     (trained_0, broadcast_0), (trained_1, broadcast_1) = [found["statistics"] for found in ranks]
     assert (trained_0 - trained_1).abs().max() > 0.1  # each rank's last batch is in its own statistics
     torch.testing.assert_close(broadcast_0, broadcast_1, rtol=0, atol=0)
+
+
+def test_a_ddp_forward_on_rank_0_alone_waits_for_the_other_ranks_until_the_timeout(ranks):
+    """The README's error row: rank 0 alone evaluates a DDP model and hangs, here on a 3 s timeout."""
+    message, waited = ranks[0]["rank 0 alone"]
+    assert message and waited >= 2.5, (message, waited)  # the forward's broadcast of the buffers waited for rank 1
 
 
 def test_wrapping_a_model_still_on_the_cpu_with_device_ids_raises_the_posts_value_error(ranks):

@@ -43,7 +43,7 @@ SECTIONS = ["Words you will meet", "Why DDP", "Set-up", "The scripts", "Running 
 # Words a learner meets, each defined in "Words you will meet" (as *word*) before the README uses it anywhere else.
 WORDS = ["rank", "world size", "local rank", "node rank", "collective", "broadcast", "all-reduce", "barrier",
          "backend", "process group", "store", "rendezvous", "launcher", "bucket", "global batch", "replica",
-         "scatter", "gather", "replicate", "step", "epoch", "shard"]
+         "scatter", "gather", "replicate", "step", "epoch", "shard", "stage", "microbatch", "bubble", "mesh"]
 
 
 def metrics_writes(script):
