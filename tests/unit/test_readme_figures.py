@@ -14,6 +14,7 @@ from helpers import ROOT
 RESULTS = ROOT / "results"
 CPU, H200, PIPELINE = RESULTS / "cpu-2core-amd-epyc", RESULTS / "1x-nvidia-h200-gpu-check", RESULTS / "cpu-pipeline"
 FIRST_RUN = RESULTS / "first-run"
+MODEL_PARALLEL = RESULTS / "cpu-2core-amd-epyc-model-parallel"  # 01, 09, 10 and 11, one epoch
 
 # Figures the README takes from elsewhere, each with its source in the sentence, or that are definitions and
 # arithmetic rather than measurements.
@@ -74,7 +75,10 @@ def measured(cpu_dir=CPU):
                            for name in ("fp32", "amp", "compile"))
     cpu_fp32, cpu_amp, cpu_compile = ([record(PIPELINE / f"{name}-{i}.json")["samples_per_s"] for i in (1, 2)]
                                       for name in ("fp32", "amp", "compile"))
+    stages = record(MODEL_PARALLEL / "metrics" / "pipeline_parallel-n2-b64-r1.json")["epochs_detail"][-1]
+    stage_1 = stages["bytes_per_rank"][1] / sum(stages["bytes_per_rank"])
     return [
+        f"stage 1 holds {stage_1:.0%} of the weights",
         f"those 200 steps of 64 images were {200 * 64 / first_run_speed('01_single_gpu'):.0f} s of training at "
         f"{first_run_speed('01_single_gpu')} samples/s",
         f"measured 01 at {single:.0f} samples/s",
