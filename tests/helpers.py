@@ -9,6 +9,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -189,7 +190,13 @@ def without_linux_only(tmp_path, root=ROOT):
     return dict(PYTHONPATH=path, HIDDEN_FROM=str(root), HIDDEN_LOG=str(log)), log
 
 
-def run(command, timeout=180, env=None, check=True, **popen):
+# PyTorch's own abort at a worker's exit, after it finished: a DTensor script's process group outlives
+# destroy_process_group (DTensor's caches keep its mesh, so gloo's threads still run at exit). Seen twice on
+# CI, 09 at its exit; not reproduced in 65 runs on the dev VM. A checked run that ends so runs once more, warned.
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def run(command, timeout=180, env=None, check=True, _again=True, **popen):
     """Run a command from the repository root; a hang fails the test instead of CI, and ends every process of
     the command (a torchrun or spawn parent killed alone would leave its workers using the CPU)."""
     with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -202,6 +209,9 @@ def run(command, timeout=180, env=None, check=True, **popen):
             proc.communicate()
             raise
     result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    if check and result.returncode != 0 and EXIT_ABORT in stderr and _again:
+        warnings.warn(f"{command}: torch aborted a worker at exit ({EXIT_ABORT}); run once more")
+        return run(command, timeout, env, check, False, **popen)
     if check:
         assert result.returncode == 0, f"{command} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
         assert "Traceback" not in result.stderr, result.stderr

@@ -1,5 +1,9 @@
 """09_tensor_parallel.py's code, in this process: what it keeps of 08 (09 run as a user runs it:
-tests/integration/test_tensor_parallel.py)."""
+tests/integration/test_tensor_parallel.py), and how the tests meet torch's abort at a DTensor script's exit."""
+import sys
+
+import pytest
+
 from helpers import definitions
 
 
@@ -10,3 +14,21 @@ def test_09_keeps_08s_definitions_except_where_every_rank_shares_the_batch():
     for name in ["Net", "in_range", "writable", "parse_args", "MNIST", "collate", "batches", "load_data",
                  "train_epoch", "clock"]:  # setup(): 09's world has no rank, which no step of 09 reads
         assert tensor_parallel[name] == fsdp[name], f"09's {name} differs from 08's"
+
+
+@pytest.mark.parametrize("second", ["passes", "aborts again", "fails otherwise"])
+def test_a_run_that_torch_aborts_at_exit_runs_once_more_and_only_once(second, tmp_path):
+    """helpers.run reruns a checked run that ended in torch's exit abort (helpers.EXIT_ABORT) once: a second
+    abort, or any other failure, still fails the test."""
+    from helpers import EXIT_ABORT, run
+    flag = tmp_path / "ran"
+    again = {"passes": "sys.exit(0)", "aborts again": f"sys.stderr.write({EXIT_ABORT!r}); sys.exit(1)",
+             "fails otherwise": "sys.exit(3)"}[second]
+    code = (f"import os, sys\nif not os.path.exists({str(flag)!r}):\n    open({str(flag)!r}, 'w').close()\n"
+            f"    sys.stderr.write({EXIT_ABORT!r}); sys.exit(1)\n{again}\n")
+    with pytest.warns(UserWarning, match="aborted a worker at exit"):
+        if second == "passes":
+            assert run([sys.executable, "-c", code], timeout=30).returncode == 0
+        else:
+            with pytest.raises(AssertionError):
+                run([sys.executable, "-c", code], timeout=30)
