@@ -36,7 +36,8 @@ def trained(name, data_dir, tmp_path, hooks=(), env=None):
     else:
         args += ["--master-port", free_port()] if "--master-port" in mode.flags else []
         nprocs = processes_for(mode, PROCESSES) if mode.collective else None
-        run(script_command(mode.script, *args, nprocs=nprocs), timeout=240, env=env)
+        run(script_command(mode.script, *args, nprocs=nprocs), timeout=240, env=env,
+            on_again=lambda: log.unlink(missing_ok=True))  # each process appends its line: the last run's only
     record = json.loads((tmp_path / "metrics.json").read_text())
     assert record["epochs_detail"][0]["test_samples"] == QUICK_TEST_IMAGES
     lines = [json.loads(line) for line in log.read_text().splitlines()]

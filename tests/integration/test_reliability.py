@@ -33,14 +33,16 @@ RESTARTED = "will restart worker group"  # torchrun's agent, once per restart it
 
 
 def children(pid):
-    """Process ids whose parent is pid (what torchrun and mp.spawn start)."""
+    """Process ids whose parent is pid (what torchrun and mp.spawn start), the last started last: by start time,
+    not by id, which wraps around at the kernel's pid_max on a machine that has run many processes."""
     kids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            kids += [int(stat.parent.name)] if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid else []
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the name: state, parent... start time
+            kids += [(int(fields[19]), int(stat.parent.name))] if int(fields[1]) == pid else []
         except (OSError, IndexError, ValueError):
             pass  # the process ended while we looked
-    return kids
+    return [kid for _, kid in sorted(kids)]
 
 
 def wait_for(condition, timeout, what, job=None, interval=0.005):
@@ -136,7 +138,7 @@ def test_a_killed_worker_is_restarted_and_training_resumes_exactly(uninterrupted
               env={"LOGLEVEL": "INFO"})
     try:  # in epoch 2, one step after its first snapshot: the schedule and the RNG must resume as well
         job.wait_for_line("epoch 2 step 9 ", timeout=120)
-        os.kill(max(children(job.process.pid)), signal.SIGKILL)
+        os.kill(children(job.process.pid)[-1], signal.SIGKILL)
         returncode, stdout, stderr = job.finish(120, "the restarted job")
     finally:
         job.kill()
@@ -340,7 +342,7 @@ def test_a_killed_rank_ends_the_job_quickly_and_says_why(launch, quick_mnist_dir
     job = Job(KILL_LAUNCHES[launch]("--data-dir", quick_mnist_dir, "--epochs", 5, "--log-interval", 1))
     try:
         job.wait_for_line("epoch 1 step 2 ", timeout=60)
-        os.kill(max(children(job.process.pid)), signal.SIGKILL)
+        os.kill(children(job.process.pid)[-1], signal.SIGKILL)
         killed = time.monotonic()
         returncode, _, stderr = job.finish(30, "the job, one of its ranks killed")
     finally:
@@ -379,7 +381,7 @@ def test_an_interrupted_worker_ends_the_job_in_one_line(script, spawn, quick_mni
                              "--epochs", 5, "--log-interval", 1), env=env)
     try:
         job.wait_for_line("epoch 1 step 2 ", timeout=slack(60))
-        os.kill(max(children(job.process.pid)), signal.SIGINT)  # the last worker started
+        os.kill(children(job.process.pid)[-1], signal.SIGINT)  # the last worker started
         returncode, _, stderr = job.finish(slack(30), "the job, one of its workers interrupted")
     finally:
         job.kill()
