@@ -5,6 +5,7 @@ import ast
 import importlib.util
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -271,10 +272,17 @@ def definitions(script):
 
 # ---- bad input: one line on stderr, nothing already written damaged
 
+def error_lines(stderr):
+    """Each "error: ..." message in stderr, one an item. Python writes sys.exit's message and its newline in two
+    writes, so ranks that refuse at once can run their lines together ("error: Aerror: A"): split those apart."""
+    return [message for line in stderr.splitlines() if line.startswith("error:")
+            for message in re.split(r"(?=error: )", line) if message]
+
+
 def assert_fails_clearly(result, expected):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    errors = error_lines(result.stderr)
     assert len(errors) == 1 and expected in errors[0], result.stderr
 
 

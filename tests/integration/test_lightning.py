@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from helpers import (QUICK_TEST_IMAGES, ROOT, assert_same_update, evaluate_on_one_process, other_kernels, outcome,
-                     rounding_spread, run, script_command, train_args)
+from helpers import (QUICK_TEST_IMAGES, ROOT, assert_same_update, error_lines, evaluate_on_one_process, other_kernels,
+                     outcome, rounding_spread, run, script_command, train_args)
 
 pytest.importorskip("lightning", reason="07_lightning.py needs lightning (requirements.txt)")
 
@@ -117,6 +117,6 @@ def test_a_bug_keeps_its_traceback(quick_mnist_dir, tmp_path):
     assert "x = self.fc1(x)" in result.stderr  # the line that failed, in the planted copy
     last = result.stderr.rstrip().splitlines()[-1]
     assert last.startswith("RuntimeError: mat1 and mat2 shapes cannot be multiplied"), last
-    assert not [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert not error_lines(result.stderr)
 
 

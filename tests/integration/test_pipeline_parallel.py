@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import QUICK_TEST_IMAGES, evaluate_on_one_process, load_script, run, script_command
+from helpers import QUICK_TEST_IMAGES, error_lines, evaluate_on_one_process, load_script, run, script_command
 
 SCRIPT = "10_pipeline_parallel.py"
 BATCH = 64  # both ranks' batch, and so the global one: 01 trains with the same; 4 microbatches of 16
@@ -96,7 +96,7 @@ def test_a_world_of_other_than_two_processes_is_refused_in_one_line():
     """Three processes started as a user starts them (each says it once; torchrun adds its report), and a world of
     one in this process: run() refuses it before it loads data or builds a stage."""
     result = run(script_command(SCRIPT, "--synthetic", "--max-steps", 1, nprocs=3), timeout=180, check=False)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    errors = error_lines(result.stderr)
     assert result.returncode != 0 and errors, result.stderr
     assert set(errors) == {"error: 2 stages, one a process: --nproc_per_node 2, not 3"}, errors
     assert f'{SCRIPT}", line' not in result.stderr, result.stderr  # no traceback of ours: torchrun's report only

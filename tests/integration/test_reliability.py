@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import (ROOT, TORCHRUN, busy_note, free_port, launcher_env, load_script, run, run_two_nodes,
+from helpers import (ROOT, TORCHRUN, busy_note, error_lines, free_port, launcher_env, load_script, run, run_two_nodes,
                      script_command, slack, start, stop)
 
 # One thread per process everywhere: two "nodes" on one host would otherwise take two each, and a different
@@ -89,10 +89,6 @@ class Job:
         """The process and those it started (a killed torchrun leaves its workers running): its process group."""
         stop([self.process])
         self.process.wait()
-
-
-def error_lines(stderr):
-    return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
 def torchrun_06(out, quick_mnist_dir, *extra, launcher=()):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import QUICK_TEST_IMAGES, evaluate_on_one_process, load_script, run, script_command
+from helpers import QUICK_TEST_IMAGES, error_lines, evaluate_on_one_process, load_script, run, script_command
 
 SCRIPT = "09_tensor_parallel.py"
 BATCH = 64  # every rank's batch, and so the global one: 01 trains with the same
@@ -120,7 +120,7 @@ def test_the_saved_model_is_one_plain_state_dict_that_01_loads(runs, quick_mnist
 
 def test_a_world_size_that_does_not_divide_fc1_is_refused_in_one_line():
     result = run(script_command(SCRIPT, "--synthetic", "--max-steps", 1, nprocs=3), timeout=180, check=False)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    errors = error_lines(result.stderr)
     assert result.returncode != 0 and errors, result.stderr
     assert set(errors) == {"error: fc1's 128 outputs do not split evenly over 3 ranks: start a number of "
                            "processes that divides it"}, errors

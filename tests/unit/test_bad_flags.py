@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import EARLIER, ROOT, assert_fails_clearly, load_script, with_an_earlier_metrics_file
+from helpers import EARLIER, ROOT, assert_fails_clearly, error_lines, load_script, with_an_earlier_metrics_file
 
 
 # Refused when the flags are parsed, before any work: each checked in this process (a subprocess per case
@@ -74,3 +74,9 @@ def test_every_script_tries_its_output_paths_before_any_work(bad, tmp_path, caps
         for flag in OUTPUT_FLAGS + (["--snapshot"] if script.startswith("06") else []):
             assert_fails_clearly(parsed_in_process(script, [flag, path], capsys), "cannot write")
     assert sorted(tmp_path.iterdir()) == [blocker] and blocker.read_text() == "kept"
+
+
+def test_the_refusals_of_ranks_that_wrote_at_once_count_one_each():
+    """sys.exit writes its message, then the newline: two ranks refusing at once can share a line (seen in CI)."""
+    stderr = "error: not 3error: not 3\n\nerror: not 3\n[rank0]: E1203 torchrun's report\n"
+    assert error_lines(stderr) == ["error: not 3"] * 3
