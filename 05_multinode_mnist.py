@@ -117,7 +117,8 @@ def setup(args):  # where this process trains (an accelerator if there is one); 
     torch.set_num_threads(args.threads or torch.get_num_threads())  # 0: PyTorch's choice
     backend = dist.get_default_backend_for_device(device)  # DDP: gloo for the CPU, nccl for CUDA
     backend = backend if dist.is_backend_available(backend) else "gloo"  # Windows: no NCCL
-    dist.init_process_group(backend, device_id=None if device.type == "cpu" else device)
+    dist.init_process_group(backend, device_id=None if device.type == "cpu" else device,
+                            rank=rank, world_size=world_size)  # multinode: no torchrun store
     return SimpleNamespace(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
                            is_main=rank == 0)
 

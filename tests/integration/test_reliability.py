@@ -20,8 +20,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import (ROOT, TORCHRUN, busy_note, error_lines, free_port, launcher_env, load_script, run, run_two_nodes,
-                     script_command, slack, start, stop)
+from helpers import (MODES, ROOT, TORCHRUN, busy_note, error_lines, free_port, launcher_env, load_script,
+                     processes_for, run, run_two_nodes, script_command, slack, start, stop)
 
 # One thread per process everywhere: two "nodes" on one host would otherwise take two each, and a different
 # number of threads sums in a different order (equal weights, not bitwise equal). 20 steps an epoch: snapshots
@@ -349,6 +349,27 @@ def test_a_killed_rank_ends_the_job_quickly_and_says_why(launch, quick_mnist_dir
         assert "Traceback" not in stderr and "process 1: SIGKILL, killed from outside" in stderr, stderr
     else:
         assert "SIGKILL" in stderr, stderr
+
+
+RESTARTABLE = [mode for mode in MODES.values() if mode.launch.torchrun]  # 03, 06, 08 and after: torchrun's
+
+
+@pytest.mark.parametrize("mode", RESTARTABLE, ids=lambda mode: mode.script)
+def test_a_torchrun_restart_of_any_script_trains_to_the_end(mode, quick_mnist_dir, tmp_path):
+    """--max-restarts 1 and one worker killed: the new attempt must not read the killed attempt's keys in
+    torchrun's store (gloo then waits for dead peers until the 30-minute timeout). It starts over, or resumes."""
+    extra = ["--snapshot", tmp_path / "snapshot.pt"] if mode.snapshot else []
+    job = Job(script_command(mode.script, "--data-dir", quick_mnist_dir, "--max-steps", 4, "--batch-size", 32,
+                             "--log-interval", 1, "--threads", 1, "--save-model", tmp_path / "model.pt", *extra,
+                             nprocs=processes_for(mode), launcher=["--max-restarts", "1"]), env={"LOGLEVEL": "INFO"})
+    try:
+        job.wait_for_line("epoch 1 step 2 ", timeout=slack(120))
+        os.kill(children(job.process.pid)[-1], signal.SIGKILL)
+        returncode, _, stderr = job.finish(120, "the job after one worker was killed and restarted")  # a bound
+    finally:
+        job.kill()
+    assert returncode == 0 and stderr.count(RESTARTED) == 1, f"exit {returncode}:\n{stderr[-3000:]}"
+    assert (tmp_path / "model.pt").exists(), "the restarted attempt did not save its model"
 
 
 SPAWN_2_15 = ROOT / "tests" / "torch_2_15_spawn"  # torch 2.15's mp.spawn on the torch installed here

@@ -23,7 +23,6 @@ ELSEWHERE = [
     "downloads MNIST (12 MB)",  # the four files' size
     "(188 MB of training images)",  # 60,000 x 28 x 28 float32
     "30 minutes with gloo, 10 with NCCL",  # PyTorch's default timeouts
-    "(10 minutes with NCCL, 30 with gloo)",
     "25 Gbit/s RoCE, RDMA over Ethernet): 90% for Inception V3 and ResNet-101, 68% for VGG-16",  # Horovod's benchmarks page
     "100% means n GPUs do n times the work of one",  # the definition of E(n)
     "every mode reached 98%",  # the target, then measured below
