@@ -3,41 +3,72 @@ the quick MNIST and writes its metrics record. The fast tier's end-to-end check;
 same update, exact evaluation, restarts) is proved in tests/integration."""
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from bench import plan
-from helpers import (EPOCH_KEYS, MODES, QUICK_TEST_IMAGES, RUN_KEYS, free_port, processes_for, run, run_two_nodes,
-                     script_command)
+from helpers import (EPOCH_KEYS, MODES, RUN_KEYS, TRAIN_IMAGES, free_port, processes_for, run, run_two_nodes,
+                     script_command, write_fake_mnist)
 
 STEPS, BATCH = 2, 32  # per process: two steps of 32 images (64 in one step for the modes of two processes)
+TEST_IMAGES = 200  # scored by every mode: the exact-evaluation tests use 1,000, here only the record counts
 PROCESSES = 2  # where a mode's processes meet in a process group: the smallest world that has to communicate
                # (or the smallest its row runs with: 4 for 11's 2 x 2 mesh)
 
 
-@pytest.mark.parametrize("name", MODES)
-def test_each_mode_trains_and_writes_its_record(name, quick_mnist_dir, tmp_path):
+AT_ONCE = 2  # runs at a time: a short run waits mostly on its start-up (imports, torchrun, the group), so two
+            # share a small machine's cores well; more would only queue for them
+
+
+def world_size(mode):
+    return processes_for(mode, PROCESSES) if mode.collective else 1  # 02 on the CPU: one replica, saying so
+
+
+def train(name, out, data_dir):
+    """One mode's short run, started as a user starts it: (its result, or the failure it raised; its record)."""
     mode = MODES[name]
-    processes = processes_for(mode, PROCESSES) if mode.collective else None  # None: python SCRIPT
+    processes = world_size(mode) if mode.collective else None  # None: python SCRIPT
+    metrics = out / "metrics.json"
+    args = ["--data-dir", data_dir, "--epochs", 1, "--max-steps", STEPS, "--batch-size", BATCH,
+            "--log-interval", 0, "--threads", 1, "--metrics-json", metrics]  # threads: one a process
+    args += ["--snapshot", out / "snapshot.pt"] if mode.snapshot else []
+    try:
+        if mode.launch.nodes > 1:  # two "nodes" of one process each on this host
+            return run_two_nodes(*args, timeout=180), metrics
+        # a script that starts its processes itself takes a free port (04's default may be taken)
+        args += ["--master-port", free_port()] if "--master-port" in mode.flags else []
+        return run(script_command(mode.script, *args, nprocs=processes), timeout=180), metrics
+    except BaseException as failure:  # raised again by this mode's own test
+        return failure, metrics
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every available mode's run, AT_ONCE at a time: {name: (result or failure, record path)}."""
+    data_dir = write_fake_mnist(str(tmp_path_factory.mktemp("mnist")), train=TRAIN_IMAGES, test=TEST_IMAGES)
+    names = [name for name in MODES if not plan.unavailable_reason(name)]
+    names.sort(key=lambda name: -world_size(MODES[name]))  # the longest, 11's four processes, first
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        done = pool.map(lambda name: train(name, tmp_path_factory.mktemp(name), data_dir), names)
+        return dict(zip(names, done))
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_each_mode_trains_and_writes_its_record(name, runs):
+    mode = MODES[name]
     if plan.unavailable_reason(name):  # 07 without lightning; a mode whose script this checkout lacks
         pytest.skip(f"{mode.script}: {plan.unavailable_reason(name)}")
-    metrics = tmp_path / "metrics.json"
-    args = ["--data-dir", quick_mnist_dir, "--epochs", 1, "--max-steps", STEPS, "--batch-size", BATCH,
-            "--log-interval", 0, "--metrics-json", metrics]
-    args += ["--snapshot", tmp_path / "snapshot.pt"] if mode.snapshot else []
-    if mode.launch.nodes > 1:  # two "nodes" of one process each on this host
-        result = run_two_nodes(*args, timeout=180)
-    else:  # a script that starts its processes itself takes a free port (04's default may be taken)
-        args += ["--master-port", free_port()] if "--master-port" in mode.flags else []
-        result = run(script_command(mode.script, *args, nprocs=processes), timeout=180)
+    result, metrics = runs[name]
+    if isinstance(result, BaseException):
+        raise result
     assert "epoch 1:" in result.stdout, result.stdout
     record = json.loads(metrics.read_text())
-    world_size = processes or 1  # 02 on the CPU: one replica, saying so
     assert RUN_KEYS <= record.keys(), f"{mode.script} misses {RUN_KEYS - record.keys()}"
-    assert record["world_size"] == world_size, mode.script
-    global_batch = mode.batch.global_batch(BATCH, world_size)  # 09's ranks share one batch
+    assert record["world_size"] == world_size(mode), mode.script
+    global_batch = mode.batch.global_batch(BATCH, world_size(mode))  # 09's ranks share one batch
     assert (record["steps"], record["global_batch"]) == (STEPS, global_batch)
     assert record["train_samples"] == STEPS * global_batch
     (epoch,) = record["epochs_detail"]
-    assert EPOCH_KEYS <= epoch.keys() and epoch["test_samples"] == QUICK_TEST_IMAGES
+    assert EPOCH_KEYS <= epoch.keys() and epoch["test_samples"] == TEST_IMAGES
     assert math.isfinite(epoch["train_loss"]) and record["samples_per_s"] > 0
