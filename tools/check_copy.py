@@ -26,8 +26,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the bench package, from the repository root
-from bench.commands import TORCHRUN  # noqa: E402
+from bench.commands import launch  # noqa: E402
 from bench.fake_mnist import write_fake_mnist  # noqa: E402
+from bench.family import MODES  # noqa: E402
 from bench.machine import free_port  # noqa: E402
 from bench.processes import run_processes  # noqa: E402
 
@@ -58,12 +59,17 @@ def launch_kind(source):
     return "torchrun" if "init_process_group" in source else "single"
 
 
+KIND_MODE = dict(single="single", torchrun="ddp_launch", spawn="ddp_spawn", multinode="ddp_multinode",
+                 lightning="lightning")  # the row of the family table whose launch a copy's parent has
+
+
 def command(script, kind, n, restarts=0):
-    if kind == "torchrun":
-        return [*TORCHRUN, "--standalone", f"--nproc_per_node={n}", f"--max-restarts={restarts}", script]
-    return [sys.executable, script, *{"spawn": ["--nprocs", n, "--master-port", free_port()],
-                                      "multinode": ["-n", 1, "-g", n, "--master-port", free_port()],
-                                      "lightning": ["--devices", n, "--accelerator", "cpu"]}.get(kind, [])]
+    """As the family table starts the copy's parent, at n processes (05's kind as one "node" of n)."""
+    mode = MODES[KIND_MODE[kind]]
+    argv = launch(mode, script, n, [f"--max-restarts={restarts}"] if mode.launch.torchrun else ())
+    argv += [mode.launch.port_flag, free_port()] if mode.launch.port_flag else []
+    argv += ["-n", 1, "-g", n, "--master-port", free_port()] if mode.launch.nodes > 1 else []
+    return argv + (["--accelerator", "cpu"] if kind == "lightning" else [])
 
 
 def run(script, kind, n, args, folder, restarts=0, **env):
