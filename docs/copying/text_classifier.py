@@ -67,6 +67,15 @@ def parse_args(argv=None):  # each flag checked as it is read: a bad value must 
         sys.exit(f"error: {e}")  # one line on stderr, exit status 1, as every bad input here
 
 
+def attempt_store(rank):  # DDP: a restart must not read its killed attempt's keys
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None  # not under torchrun's agent: init_process_group makes a fresh store
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),  # DDP
+                          is_master=False)  # torchrun's, kept across attempts
+    starts = store.add(f"starts/rank{rank}", 1)  # DDP: 1, then 2 after a restart, on every rank
+    return dist.PrefixStore(f"attempt{starts}/", store)  # DDP: this attempt's keys, apart
+
+
 def setup(args):  # where this process trains (an accelerator if there is one); is it the main one
     if "RANK" not in os.environ:  # DDP: torchrun tells each process who it is
         sys.exit(f"error: start me with torchrun --standalone --nproc_per_node N {__file__}")
@@ -87,7 +96,8 @@ def setup(args):  # where this process trains (an accelerator if there is one); 
     torch.set_num_threads(args.threads or torch.get_num_threads())  # 0: PyTorch's choice
     backend = dist.get_default_backend_for_device(device)  # DDP: gloo for the CPU, nccl for CUDA
     backend = backend if dist.is_backend_available(backend) else "gloo"  # Windows: no NCCL
-    dist.init_process_group(backend, device_id=None if device.type == "cpu" else device)
+    dist.init_process_group(backend, device_id=None if device.type == "cpu" else device,
+                            store=attempt_store(rank), rank=rank, world_size=world_size)  # DDP
     return SimpleNamespace(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
                            is_main=rank == 0)
 

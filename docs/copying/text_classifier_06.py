@@ -77,14 +77,13 @@ def lost(error):  # 06: the errors we can explain; any other is a bug and keeps 
     return isinstance(error, known) or "/gloo/transport/" in str(error).split("]")[0]
 
 
-def attempt_store(args, rank):  # 06
-    """torchrun's one store keeps dead attempts' keys: a prefix per attempt keeps them apart."""
+def attempt_store(args, rank):  # DDP: a restart must not read its killed attempt's keys
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None  # no agent store: init_process_group makes a fresh one
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=timedelta(seconds=args.timeout))
-    starts = store.add(f"starts/rank{rank}", 1)
-    return dist.PrefixStore(f"attempt{starts}/", store)
+        return None  # not under torchrun's agent: init_process_group makes a fresh store
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),  # DDP
+                          is_master=False, timeout=timedelta(seconds=args.timeout))  # 06
+    starts = store.add(f"starts/rank{rank}", 1)  # DDP: 1, then 2 after a restart, on every rank
+    return dist.PrefixStore(f"attempt{starts}/", store)  # DDP: this attempt's keys, apart
 
 
 def setup(args):  # where this process trains (an accelerator if there is one); is it the main one
@@ -109,7 +108,7 @@ def setup(args):  # where this process trains (an accelerator if there is one); 
     backend = backend if dist.is_backend_available(backend) else "gloo"  # Windows: no NCCL
     dist.init_process_group(backend, device_id=None if device.type == "cpu" else device,
                             store=attempt_store(args, rank), rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))  # 06: this attempt's keys
+                            timeout=timedelta(seconds=args.timeout))  # 06: every wait
     return SimpleNamespace(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
                            is_main=rank == 0)
 

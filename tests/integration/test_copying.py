@@ -59,6 +59,8 @@ def check(*scripts, data_dir=None, only=None, timeout=1800):
             verdict = line.split()[0]
             lines[script][1].append((None if verdict == "n/a" else verdict == "holds", line.strip()))
     assert sorted(lines) == sorted(Path(s).name for s in scripts), result.stdout + result.stderr
+    broken = any(held is False for _, verdicts in lines.values() for held, _ in verdicts)
+    assert result.returncode == (1 if broken else 0), f"exit {result.returncode}:\n{result.stdout}"  # any BROKEN
     return lines
 
 
@@ -114,6 +116,8 @@ PLANTS = {  # a copier's mistake: (script, text, replacement, the checks run, th
         "                          num_workers=2, drop_last=True)\n", "shards,rows,writes", ROWS),
     "no-generator-in-06s-loaders": (COPY_06, "collate_fn=collate, generator=seeds,\n", "collate_fn=collate,\n",
                                     "resume", RESUME),
+    "a-restart-that-starts-over": (COPY_06, "    if path and os.path.exists(path):\n",  # the same weights, by
+                                   "    if path and os.path.exists(path) and False:\n", "resume", RESUME),  # seed
     "a-per-rank-seed-before-fully-shard": (
         ROOT / "08_fsdp.py", "    torch.manual_seed(args.seed)  # FSDP: the same weights",
         "    torch.manual_seed(args.seed + world.rank)  # FSDP: the same weights", "update", UPDATE),

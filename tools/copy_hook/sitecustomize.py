@@ -10,7 +10,9 @@ exits (DataLoader workers, forks of it, write nothing):
   gradients (a wrapper still in train mode around it, as Lightning's DDP is in validation, does not count);
 - every file it writes (open() for writing, torch.save, os.replace, os.rename), with its rank;
 - with CHECK_COPY_KILL_AT=N, the process of rank CHECK_COPY_KILL_RANK kills itself (SIGKILL) at its Nth training
-  forward pass (outermost, in train mode, with gradients) of torchrun's first attempt, as a failing machine would.
+  forward pass (outermost, in train mode, with gradients) of torchrun's first attempt, as a failing machine would,
+  if it has written CHECK_COPY_SNAPSHOT by then; first it writes killed-PID.json. Forward passes in DataLoader
+  workers (a transform that is an nn.Module) are not training steps: only the process itself counts.
 """
 import atexit
 import builtins
@@ -31,6 +33,7 @@ def _install():
     parent = os.getpid()
     kill_at = int(os.environ.get("CHECK_COPY_KILL_AT", 0))
     kill_rank = int(os.environ.get("CHECK_COPY_KILL_RANK", 1))
+    snapshot = os.path.abspath(os.environ.get("CHECK_COPY_SNAPSHOT", os.devnull))
 
     def rank():
         if dist.is_available() and dist.is_initialized():
@@ -50,10 +53,13 @@ def _install():
     stack = []  # [module, rows of its output] of the forward passes under way, outermost first
 
     def pre(module, args):
-        if not stack and module.training and torch.is_grad_enabled():
+        if not stack and module.training and torch.is_grad_enabled() and os.getpid() == parent:
             record["train_forwards"] += 1
             if record["train_forwards"] == kill_at and rank() == kill_rank and record["restart"] == "0":
-                os.kill(os.getpid(), signal.SIGKILL)
+                if any(w["path"] == snapshot for w in record["writes"]):  # a snapshot to resume from
+                    with real_open(os.path.join(OUT, f"killed-{os.getpid()}.json"), "w") as f:
+                        json.dump(record, f)
+                    os.kill(os.getpid(), signal.SIGKILL)
         stack.append([module, 0])
 
     def post(module, args, output):
