@@ -132,9 +132,22 @@ def check_writes(records):
     return (False, f"rank != 0 wrote {others[0]}") if others else (True, "only rank 0 wrote")
 
 
+def cannot_match(source):
+    """Why 2 x B cannot give 1 x 2B's update for this model, and what to change to compare; "" if it can."""
+    if re.search(r"BatchNorm\d?d?\(", source) and "SyncBatchNorm" not in source:
+        return ("BatchNorm normalises each rank's own batch, so 2 x B cannot equal 1 x 2B on the CPU: compare "
+                "with BatchNorm in eval() or replaced, or on GPUs with nn.SyncBatchNorm")
+    if re.search(r"\bRandom[A-Z]\w*\(", source):
+        return ("a random augmentation draws other numbers at 2 x B than at 1 x 2B: compare with it switched "
+                "off (its seed cannot make the two runs agree)")
+    return ""
+
+
 def check_update(script, kind, common, out):
     if kind == "single":
         return True, "one process: nothing to compare"
+    if cannot_match(script.read_text()):
+        return None, f"not checked: {cannot_match(script.read_text())}"
     paths = {}
     for n, batch in [(2, BATCH), (1, 2 * BATCH)]:
         paths[n] = out / f"update-{n}" / "model.pt"
@@ -177,8 +190,16 @@ def check_resume(script, kind, args, out):
     if differ:
         far = max((a[k].float() - b[k].float()).abs().max().item() if k in b else float("inf") for k in differ)
         return False, f"{len(differ)} of {len(a)} tensors differ from the uninterrupted run's, by up to {far:.1e}"
+    losses = [train_losses(out / name / "log.txt") for name in ("uninterrupted", "killed")]
+    if losses[0] and losses[1] and losses[0][-1] != losses[1][-1]:  # the weights alone miss a lost loss sum
+        return False, f"the resumed epoch's train loss is {losses[1][-1]}, not {losses[0][-1]}"
     return True, (f"killed at epoch 2, step 1; resumed there ({again} steps, not {whole}): all {len(a)} tensors "
-                  "equal to the uninterrupted run's")
+                  "equal to the uninterrupted run's" + (", and its train loss" if losses[0] else ""))
+
+
+def train_losses(log):
+    """The "epoch N: train loss X" figures a run printed, in order (none if it prints no such line)."""
+    return re.findall(r"epoch \d+: train loss ([\d.]+)", log.read_text(errors="replace"))
 
 
 def takes_snapshots(source):

@@ -20,7 +20,8 @@ TRAIN_ROWS, TEST_ROWS = 1152, 500  # 500: 3 ranks cannot split it evenly, so a p
 # Changed lines of a worked copy against its parent less the measurement (tools/copy_size.py): 37 are lines of the
 # parent about MNIST and its CNN, 23 the text classifier's model, CSV reader and padding collate (docs/copying.md).
 BUDGET = 60
-NUMBERED = ["01_single_gpu.py", "03_ddp_launch.py", "06_fault_tolerant.py", "07_lightning.py", "08_fsdp.py"]
+NUMBERED = ["01_single_gpu.py", "03_ddp_launch.py", "04_ddp_spawn.py", "06_fault_tolerant.py", "07_lightning.py",
+            "08_fsdp.py"]
 SHARDS, ROWS, WRITES, UPDATE, RESUME = ("reshuffled every epoch", "every test row scored once", "only rank 0 writes",
                                         "the same update", "killed in epoch 2 and resumed")
 
@@ -102,6 +103,8 @@ def numbered_checked():
 def test_the_numbered_scripts_pass_the_checker(script, numbered_checked):
     _, lines = numbered_checked[script]
     assert all_hold(lines, 5 if script.startswith("06") else 4), lines
+    shards = "1 shard" if script.startswith("01") else "3 disjoint shards"  # every launch at 3 processes
+    assert any(shards in line for _, line in lines), lines
 
 
 PLANTS = {  # a copier's mistake: (script, text, replacement, the checks run, the guarantee it breaks)
@@ -116,6 +119,20 @@ PLANTS = {  # a copier's mistake: (script, text, replacement, the checks run, th
         "                          num_workers=2, drop_last=True)\n", "shards,rows,writes", ROWS),
     "no-generator-in-06s-loaders": (COPY_06, "collate_fn=collate, generator=seeds,\n", "collate_fn=collate,\n",
                                     "resume", RESUME),
+    "every-rank-saves-through-path-open": (
+        COPY_03, "    if world.is_main and args.save_model:\n        torch.save(net.state_dict(), args.save_model)\n",
+        "    if args.save_model:  # every rank, into a file object that Path.open made\n"
+        "        with __import__('pathlib').Path(f'{args.save_model}.{world.rank}').open('wb') as f:\n"
+        "            torch.save(net.state_dict(), f)\n", "shards,rows,writes", WRITES),
+    "a-snapshot-without-the-loss-sum": (COPY_06, "save(epoch, step + 1, loss_sum.item())", "save(epoch, step + 1)",
+                                        "resume", RESUME),  # the weights resume exactly; the epoch's loss not
+    "a-resume-off-by-1e-7": (COPY_06, '    net.load_state_dict(state["model"])\n',  # bitwise, not within 1e-4
+                             '    net.load_state_dict({k: v + 1e-7 for k, v in state["model"].items()})\n',
+                             "resume", RESUME),
+    "padded-test-sampler-and-no-count": (
+        COPY_03, "test_rows = range(rank, len(test_set), world_size)",  # the rows scored show it, not the print
+        "test_rows = list(DistributedSampler(test_set, world_size, rank, shuffle=False))", "shards,rows,writes",
+        ROWS),
     "a-restart-that-starts-over": (COPY_06, "    if path and os.path.exists(path):\n",  # the same weights, by
                                    "    if path and os.path.exists(path) and False:\n", "resume", RESUME),  # seed
     "a-per-rank-seed-before-fully-shard": (
@@ -131,7 +148,10 @@ def plants_checked(text_dir, tmp_path_factory):
     for name, (source, old, new, only, _) in PLANTS.items():
         text = source.read_text()
         assert text.count(old) == 1, f"{name}: {old!r} is not once in {source.name}"
-        (folder / f"{name}.py").write_text(text.replace(old, new))
+        text = text.replace(old, new)
+        if name.endswith("-and-no-count"):  # the copy prints no "N test samples" for the checker to read
+            text = text.replace(" of {test['test_samples']} test samples", "")
+        (folder / f"{name}.py").write_text(text)
         groups.setdefault((only, source.name.startswith("08")), []).append(folder / f"{name}.py")
     checked = {}
     for (only, mnist), scripts in groups.items():
@@ -145,6 +165,19 @@ def test_the_checker_names_the_broken_guarantee(plant, plants_checked):
     broken = [line for held, line in lines if held is False]
     assert len(broken) == 1 and guarantee in broken[0], lines
     assert len(lines) == len(PLANTS[plant][3].split(",")), lines  # and the others hold
+
+
+def test_a_correct_copy_with_batchnorm_is_not_called_broken(text_dir, tmp_path):
+    """Each rank normalises its own batch, so 2 x B cannot give 1 x 2B's update on the CPU: the checker says so,
+    says what to change to compare, and exits 0 (nothing it could check is broken)."""
+    text = COPY_03.read_text()
+    old = "        self.fc = nn.Linear(64, 4)\n"
+    assert text.count(old) == 1 and text.count("return self.fc(self.dropout(self.embed(x)))") == 1
+    copy = tmp_path / "with_batchnorm.py"
+    copy.write_text(text.replace(old, old + "        self.norm = nn.BatchNorm1d(64)\n").replace(
+        "return self.fc(self.dropout(self.embed(x)))", "return self.fc(self.dropout(self.norm(self.embed(x))))"))
+    (_, lines), = check(copy, data_dir=text_dir, only="update").values()
+    assert [held for held, _ in lines] == [None] and "BatchNorm" in lines[0][1] and "SyncBatchNorm" in lines[0][1]
 
 
 def copy_size(copy):

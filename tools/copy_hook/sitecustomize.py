@@ -8,7 +8,8 @@ exits (DataLoader workers, forks of it, write nothing):
   dataset's length, the indices);
 - the rows scored: the first dimension of the output of each outermost forward pass made in eval() without
   gradients (a wrapper still in train mode around it, as Lightning's DDP is in validation, does not count);
-- every file it writes (open() for writing, torch.save, os.replace, os.rename), with its rank;
+- every file it writes (open() and Path.open() for writing, torch.save to a path or a file, os.replace,
+  os.rename), with its rank;
 - with CHECK_COPY_KILL_AT=N, the process of rank CHECK_COPY_KILL_RANK kills itself (SIGKILL) at its Nth training
   forward pass (outermost, in train mode, with gradients) of torchrun's first attempt, as a failing machine would,
   if it has written CHECK_COPY_SNAPSHOT by then; first it writes killed-PID.json. Forward passes in DataLoader
@@ -16,6 +17,7 @@ exits (DataLoader workers, forks of it, write nothing):
 """
 import atexit
 import builtins
+import io
 import json
 import os
 import signal
@@ -84,13 +86,14 @@ def _install():
     real_open, real_save, real_replace, real_rename = builtins.open, torch.save, os.replace, os.rename
 
     def recording_open(file, mode="r", *args, **kwargs):
-        if isinstance(file, (str, bytes, os.PathLike)) and any(c in mode for c in "wax+"):
+        if isinstance(file, (str, bytes, os.PathLike)) and any(c in mode for c in "wax+") \
+                and not os.path.isdir(file):  # a folder: tempfile's unnamed file in it (O_TMPFILE), no file
             wrote(file)
         return real_open(file, mode, *args, **kwargs)
 
     def recording_save(obj, f, *args, **kwargs):
-        if isinstance(f, (str, os.PathLike)):
-            wrote(f)
+        if isinstance(f, (str, os.PathLike)) or isinstance(getattr(f, "name", None), str):  # a path, or a file
+            wrote(f if isinstance(f, (str, os.PathLike)) else f.name)
         return real_save(obj, f, *args, **kwargs)
 
     def recording_replace(src, dst, *args, **kwargs):
@@ -103,6 +106,7 @@ def _install():
 
     builtins.open, torch.save, os.replace, os.rename = recording_open, recording_save, recording_replace, \
         recording_rename
+    io.open = recording_open  # pathlib.Path.open calls io.open, not builtins.open
 
     @atexit.register
     def dump():
