@@ -178,7 +178,7 @@ def check_resume(script, kind, args, out):
             return False, f"the {name} run failed{' under --max-restarts 1' if restarts else ''}: {last_line(log)}"
         runs[name] = records
     if not list((out / "killed" / "hook").glob("killed-*.json")):
-        return None, f"not checked: no snapshot written by epoch 2, step 1, so nothing was killed"
+        return None, "not checked: no snapshot written by epoch 2, step 1, so nothing was killed"
     if not any(r["restart"] == "1" for r in runs["killed"]):
         return False, "killed in epoch 2, step 1, but torchrun started no second attempt"
     whole = max(r["train_forwards"] for r in runs["uninterrupted"])
