@@ -146,8 +146,9 @@ def cannot_match(source):
 def check_update(script, kind, common, out):
     if kind == "single":
         return True, "one process: nothing to compare"
-    if cannot_match(script.read_text()):
-        return None, f"not checked: {cannot_match(script.read_text())}"
+    why = cannot_match(script.read_text())
+    if why:
+        return None, f"not checked: {why}"
     paths = {}
     for n, batch in [(2, BATCH), (1, 2 * BATCH)]:
         paths[n] = out / f"update-{n}" / "model.pt"

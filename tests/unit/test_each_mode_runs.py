@@ -15,8 +15,6 @@ STEPS, BATCH = 2, 32  # per process: two steps of 32 images (64 in one step for 
 TEST_IMAGES = 200  # scored by every mode: the exact-evaluation tests use 1,000, here only the record counts
 PROCESSES = 2  # where a mode's processes meet in a process group: the smallest world that has to communicate
                # (or the smallest its row runs with: 4 for 11's 2 x 2 mesh)
-
-
 AT_ONCE = 2  # runs at a time: a short run waits mostly on its start-up (imports, torchrun, the group), so two
             # share a small machine's cores well; more would only queue for them
 

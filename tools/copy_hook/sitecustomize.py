@@ -92,8 +92,9 @@ def _install():
         return real_open(file, mode, *args, **kwargs)
 
     def recording_save(obj, f, *args, **kwargs):
-        if isinstance(f, (str, os.PathLike)) or isinstance(getattr(f, "name", None), str):  # a path, or a file
-            wrote(f if isinstance(f, (str, os.PathLike)) else f.name)
+        path = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)  # a path, or a file's
+        if isinstance(path, (str, os.PathLike)):
+            wrote(path)
         return real_save(obj, f, *args, **kwargs)
 
     def recording_replace(src, dst, *args, **kwargs):
