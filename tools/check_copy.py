@@ -207,10 +207,15 @@ def takes_snapshots(source):
     return "--snapshot" in source
 
 
+def world_size_for(test_rows):
+    """The fewest ranks from 3 up that cannot split the test rows evenly: a padded or a dropped share shows."""
+    return next(k for k in range(3, 64) if test_rows % k)
+
+
 def check(script, kind, data_args, test_rows, out, only=CHECKS):
     """[(guarantee, held, what was seen)] for the script, its runs in folders under out; only: which checks."""
     source = script.read_text()
-    n = 1 if kind == "single" else next(k for k in range(3, 64) if test_rows % k)  # padding would show
+    n = 1 if kind == "single" else world_size_for(test_rows)
     common = [*data_args, "--max-steps", STEPS, "--test-batch-size", TEST_BATCH, "--log-interval", 0]
     args = [*common, "--epochs", 2, "--batch-size", BATCH]
     snapshots = ["--snapshot-every", 1] if takes_snapshots(source) else []  # and each run its --snapshot

@@ -1,0 +1,56 @@
+"""The copy checker's verdicts on records a copy's processes would write (tools/copy_hook's form), in this process:
+a copier's mistake that keeps the sizes right must still be BROKEN. The checker run on real copies:
+tests/integration/test_copying.py."""
+import sys
+
+import pytest
+from torch.utils.data import DistributedSampler
+
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+import check_copy  # noqa: E402
+
+TRAIN_ROWS = 1152
+
+
+def sampler_record(rank, n, epochs, seed):
+    """One process's record of its training sampler's orders, as the hook writes it."""
+    sampler = DistributedSampler(range(TRAIN_ROWS), num_replicas=n, rank=rank, shuffle=True, seed=seed)
+    orders = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        orders.append(dict(replicas=n, rank=rank, epoch=epoch, shuffle=True, length=TRAIN_ROWS,
+                           indices=list(sampler)))
+    return dict(samplers=orders)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_shards_of_one_seed_are_disjoint_and_hold(n):
+    held, said = check_copy.check_shards([sampler_record(rank, n, 2, seed=1) for rank in range(n)], n)
+    assert held and f"{n} disjoint shards" in said, said
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_shards_of_the_right_size_that_overlap_are_broken(n):
+    """A copier's mistake: each rank's sampler seeded with seed + rank. Every shard has its right size, but each
+    rank shuffles the rows its own way, so the shards overlap and miss rows: only the rows themselves show it."""
+    records = [sampler_record(rank, n, 2, seed=1 + rank) for rank in range(n)]
+    assert sum(len(r["samplers"][0]["indices"]) for r in records) == -(-TRAIN_ROWS // n) * n  # the sizes hold
+    held, said = check_copy.check_shards(records, n)
+    assert held is False and "overlap or miss rows" in said, said
+
+
+@pytest.mark.parametrize("test_rows", [250, 300, 500, 1000, 1152, 10000])
+def test_the_rows_check_runs_where_a_padded_test_sampler_repeats_rows(test_rows):
+    """At the world size the checker picks, torch's DistributedSampler pads the test set (300 rows: not at 3, 4, 5
+    or 6 ranks, at 7), and the checker calls the padded copy BROKEN."""
+    n = check_copy.world_size_for(test_rows)
+    assert n >= 3 and test_rows % n, n
+    shares = [list(DistributedSampler(range(test_rows), n, rank, shuffle=False)) for rank in range(n)]
+    assert sum(map(len, shares)) > test_rows  # rows repeated
+    records = [dict(eval_rows=2 * len(share)) for share in shares]  # two evaluations of each rank's share
+    held, said = check_copy.check_rows(records, "", test_rows)
+    assert held is False and "padded?" in said, said
+    exact = [dict(eval_rows=2 * len(range(rank, test_rows, n))) for rank in range(n)]  # 03's strided rows
+    assert check_copy.check_rows(exact, "", test_rows)[0] is True
