@@ -457,3 +457,16 @@ def test_a_run_past_its_timeout_is_stopped_with_every_process_of_its_group(tmp_p
     finally:
         for pid in [pid for pid in os.listdir("/proc") if pid.isdigit() and has_marker(pid, marker)]:
             os.kill(int(pid), 9)
+
+
+@pytest.mark.parametrize("epoch_images", [100, 1000, 19200, 60001])
+def test_an_epoch_that_the_global_batch_does_not_divide_gets_one_step_more_not_one_less(epoch_images):
+    """Every run's epoch holds at least epoch_images images, and less than one global batch more: rounded down,
+    a run at a large global batch would train on fewer images than 01 and reach its target later."""
+    settings = dataclasses.replace(gpu_settings(["0", "1", "2", "3"], per_device_batches=(64, 96)),
+                                   epoch_images=epoch_images)
+    runs, _ = plan.plan(settings, MODES, [("base", [])], repeats=1)
+    assert runs
+    for run in runs:
+        steps, batch = plan.steps_per_epoch(run, settings), plan.global_batch(run)
+        assert (steps - 1) * batch < epoch_images <= steps * batch, (run, steps, batch)

@@ -6,11 +6,12 @@ import sys
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from helpers import ROOT, launcher_env, load_script
+from helpers import ROOT, SCRIPTS, TRAIN_IMAGES, launcher_env, load_script
 
 
 def test_each_epoch_has_its_own_shuffle_and_the_group_is_destroyed(quick_mnist_dir, monkeypatch):
@@ -112,3 +113,19 @@ def test_the_slowest_rank_sets_the_clock_and_the_sums_cover_every_rank(monkeypat
                          monkeypatch=monkeypatch)[0]
     assert (epoch["train_time_s"], epoch["steady_time_s"]) == (8.0 + 5, 3.0 + 5)
     assert (epoch["train_samples"], epoch["steady_samples"]) == (2 * 8 * 4, 2 * 3 * 4)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_an_epoch_is_only_full_batches_and_a_batch_larger_than_the_share_is_refused(script, quick_mnist_dir):
+    """Each script's load_data, for rank 0 of 3 (4,096 images: a share of 1,366) at a batch that does not divide
+    it: a short last batch would be a step of another size, and the record's samples would be wrong. A batch
+    larger than the share trains nothing: one line, not an empty epoch."""
+    m = load_script(script)
+    args = m.parse_args(["--data-dir", str(quick_mnist_dir), "--cpu", "--batch-size", "100"])
+    args.max_steps = 0  # every full batch of the epoch
+    training, *_ = m.load_data(args, 0, 3, torch.device("cpu"))  # 06: and its steps
+    sizes = [len(labels) for _, labels in training(*[1, 0][:training.__code__.co_argcount])]  # 06: (epoch, first)
+    assert sizes == [100] * (-(-TRAIN_IMAGES // 3) // 100), sizes  # 13 full batches of the 1,366
+    args.batch_size = 2000
+    with pytest.raises(SystemExit, match="is more than the 1366 samples"):
+        m.load_data(args, 0, 3, torch.device("cpu"))
