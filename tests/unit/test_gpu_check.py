@@ -6,6 +6,7 @@ import tarfile
 import time
 
 from bench import gpu_check
+from bench.processes import KILL_GRACE_S
 from helpers import ROOT, busy_note, slack
 
 PY = sys.executable
@@ -45,8 +46,10 @@ def test_an_output_folder_that_cannot_be_written_is_refused_before_any_step(tmp_
 def test_a_step_cut_at_its_bound_still_leaves_its_log_and_what_it_writes_on_sigterm_in_the_archive(tmp_path,
                                                                                                    monkeypatch):
     # as the sweep does (report.md and plots of the finished runs) and the doctor (its table and --json)
+    # Its report takes longer than a run's own grace (KILL_GRACE_S) after the SIGTERM: the step's is longer.
     writes_on_sigterm = ("import signal, sys, time\n"
                          "def cut(*_):\n"
+                         f"    time.sleep({KILL_GRACE_S + 2})\n"
                          "    open(sys.argv[1] + '/report.md', 'w').write('the runs that finished')\n"
                          "    sys.exit(130)\n"
                          "signal.signal(signal.SIGTERM, cut)\n"
@@ -59,6 +62,18 @@ def test_a_step_cut_at_its_bound_still_leaves_its_log_and_what_it_writes_on_sigt
     with tarfile.open(tmp_path / "out" / "gpu-check.tgz") as archive:
         assert {"gpu-check/sweep.log", "gpu-check/report.md"} <= set(archive.getnames())
         assert archive.extractfile("gpu-check/report.md").read() == b"the runs that finished"
+
+
+def test_a_hung_command_inside_a_step_is_given_up_on_before_the_step_is_cut(tmp_path, monkeypatch):
+    """A hung nvidia-smi or collect_env inside the doctor: machine.output_of waits at most the step's bound over
+    MARGIN, so the step goes on and writes its table instead of being cut with nothing."""
+    hangs = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from bench import machine; " \
+            "print('gave up' if machine.output_of([sys.executable, '-c', 'import time; time.sleep(60)']) is None " \
+            "else 'answered')"
+    monkeypatch.setattr(gpu_check, "steps", lambda work, cpu: [("doctor", [PY, "-c", hangs], 4)])  # gives up at 2 s
+    assert gpu_check.main(["--out", str(tmp_path / "out")]) == 0
+    log = (tmp_path / "out" / "gpu-check.log").read_text()
+    assert "== doctor: ok" in log and "gave up" in log, log
 
 
 def test_without_pytest_the_test_steps_are_skipped_and_the_check_is_not_a_pass(tmp_path, monkeypatch):
