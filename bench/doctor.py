@@ -15,6 +15,7 @@ Exit status 0: ready (warnings allowed), 1: a check failed, 2: bad arguments. Th
 bench/checks.py; the harness uses them too.
 """
 import argparse
+import concurrent.futures
 import contextlib
 import importlib.metadata
 import os
@@ -27,7 +28,7 @@ import time
 
 if not __package__:  # `python bench/doctor.py`: the package is importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench import checks, machine, measurements, plan, sweep  # noqa: E402
+from bench import checks, machine, measurements, plan, processes, sweep  # noqa: E402
 from bench.outputs import read_json, write_json  # noqa: E402
 from bench.flags import CPU_PROCESSES, BadArgument, Parser, add_devices, chosen_gpus  # noqa: E402
 from bench.family import MODES, REPO  # noqa: E402
@@ -36,6 +37,7 @@ from bench.family import MODES, REPO  # noqa: E402
 # test images would be most of each run's time (30 s instead of 10 s on a 2-core VM).
 STEPS, BATCH, TRAIN_IMAGES, TEST_IMAGES = 6, 16, 2048, 100
 RUN_TIMEOUT_S = 120  # such a run takes 10-40 s on a busy 2-core VM
+AT_ONCE = 2  # training runs at a time on the CPU, each with half the cores
 NCCL_SLOW_GB_S = 2  # the gradient's all-reduce below this on GPUs: not over NVLink or PCIe (a guess, see reference)
 FAKE_MNIST = "import sys; from bench.fake_mnist import write_fake_mnist; write_fake_mnist(sys.argv[1], {}, {})"
 # Links' one-way peaks from NVIDIA's datasheets; nccl-tests' busbw nears them only for messages of hundreds of MB.
@@ -91,7 +93,7 @@ def doctor_settings(gpus, args, work):
         gpus=[i for i, _ in gpus], max_n=max_n, per_device_batches=[BATCH], epochs=1,
         epoch_images=STEPS * BATCH * max_n,
         test_batch_size=TEST_IMAGES, seed=1, synthetic=False, data_dir=os.path.join(work, "data"),
-        target_acc=0.98, timeout=RUN_TIMEOUT_S, cores=machine.cpu_cores())
+        target_acc=0.98, timeout=RUN_TIMEOUT_S, cores=max(1, machine.cpu_cores() // (1 if gpus else AT_ONCE)))
 
 
 def start_tiny_mnist(data_dir):
@@ -104,7 +106,7 @@ def start_tiny_mnist(data_dir):
 def devices(gpus, settings, env):
     counts = ", ".join(map(str, plan.device_counts(settings.max_n)))
     if not gpus:
-        cores, todo = settings.cores, ""
+        cores, todo = machine.cpu_cores(), ""
         detail = f"no GPU used: the CPU ({env.get('cpu_model')}, {cores} cores), gloo at n = {counts}"
         if settings.max_n > cores:
             todo = f"{settings.max_n} processes on {cores} cores: each gets one thread and runs are slower"
@@ -269,29 +271,55 @@ def largest_runs(settings):
 
 
 def training_rows(settings, work, failed_n, rows=None):
-    """One short run of each mode through the harness's own run_one; none that needs a collective known broken.
-    Each row goes into rows (a new list if None) as soon as its run ends; returns rows."""
+    """One short run of each mode through the harness's own run_one, AT_ONCE at a time on the CPU (a short run
+    waits mostly on its start-up); none that needs a collective known broken, nor one started after a timeout.
+    Each row goes into rows (a new list if None), in MODES' order, once it and the rows before it are done."""
     largest, left_out = largest_runs(settings)
-    rows, hung = [] if rows is None else rows, None
-    for mode in MODES:
-        check = f"train {MODES[mode].script[:2]} {mode}"
-        run = largest.get(mode)
-        if run is None:
-            rows.append(row(check, "skip", f"{MODES[mode].script}: {left_out.get(mode, 'runs at no n here')}"))
-        elif MODES[mode].collective and (run.n in failed_n or hung):
-            why = f"the all-reduce at n={run.n} failed" if run.n in failed_n else f"{hung} timed out"
-            rows.append(row(check, "skip", f"n={run.n}: not run, {why} (fix that first)"))
-        else:
-            say(f"{check} at n={run.n}")
-            result = sweep.run_one(run, settings, work)
-            rows.append(training_row(check, run, result, work))
-            hung = hung or (check if result["status"] == "timeout" else None)
+    rows, hung, done, running, order = [] if rows is None else rows, [], {}, {}, list(MODES)
+    at_once = AT_ONCE if settings.cpu else 1  # on GPUs a run has every GPU the doctor checks
+
+    def finish(future):
+        mode, check, run = running.pop(future)
+        done[mode] = training_row(check, run, future.result(), work, at_once)
+        hung.extend([check] if future.result()["status"] == "timeout" else [])
+
+    def flush():
+        while order and order[0] in done:
+            rows.append(done[order.pop(0)])
+
+    pool = concurrent.futures.ThreadPoolExecutor(at_once)
+    try:
+        for mode in MODES:
+            while len(running) >= at_once:  # a place for this run: one under way ends first
+                finish(next(iter(concurrent.futures.wait(running, return_when="FIRST_COMPLETED")[0])))
+                flush()
+            check, run = f"train {MODES[mode].script[:2]} {mode}", largest.get(mode)
+            if run is None:
+                done[mode] = row(check, "skip", f"{MODES[mode].script}: {left_out.get(mode, 'runs at no n here')}")
+            elif MODES[mode].collective and (run.n in failed_n or hung):
+                why = f"the all-reduce at n={run.n} failed" if run.n in failed_n else f"{hung[0]} timed out"
+                done[mode] = row(check, "skip", f"n={run.n}: not run, {why} (fix that first)")
+            else:
+                say(f"{check} at n={run.n}")
+                running[pool.submit(sweep.run_one, run, settings, work)] = (mode, check, run)
+            flush()
+        for future in concurrent.futures.as_completed(list(running)):
+            finish(future)
+        flush()
+    except KeyboardInterrupt:  # the runs under way end as after Ctrl-C, then the doctor says so
+        processes.STOP.set()
+        raise
+    finally:
+        pool.shutdown()  # once the runs under way have ended
+        processes.STOP.clear()
     return rows
 
 
-def training_row(check, run, result, work):
+def training_row(check, run, result, work, at_once=1):
     if result["status"] == "ok":
-        return row(check, "ok", f"n={run.n}: {result['samples_per_s'] or 0:,.0f} samples/s, {result['wall_s']:.0f} s")
+        beside = f" ({at_once} runs at a time)" if at_once > 1 else ""
+        return row(check, "ok", f"n={run.n}: {result['samples_per_s'] or 0:,.0f} samples/s{beside}, "
+                   f"{result['wall_s']:.0f} s")
     text = f"{result['error']}\n{result['log_tail']}"
     return row(check, "FAIL", f"n={run.n}, {result['error']}: {checks.cause_line(text)} "
                f"(log {os.path.join(work, result['log_path'])})", checks.advice(text))

@@ -5,6 +5,7 @@ import pathlib
 import shlex
 import signal
 import subprocess
+import threading
 import time
 
 from bench.machine import output_of
@@ -12,6 +13,7 @@ from bench import REPO
 
 KILL_GRACE_S = 5  # SIGTERM first so that process groups can be destroyed cleanly, then SIGKILL
 PEER_GRACE_S = 15  # once one node of 05 has failed, the other would only wait for its rendezvous timeout
+STOP = threading.Event()  # set: the runs under way in other threads stop as after Ctrl-C (the doctor's)
 
 
 # What a launcher or scheduler tells the process it starts. A run inherits none of it: inside a SLURM job or under
@@ -64,6 +66,8 @@ def run_processes(cmds, log_paths, timeout, grace=KILL_GRACE_S):
                 give_up = time.monotonic() + PEER_GRACE_S
             time.sleep(0.1)
             timed_out = time.monotonic() > deadline
+            if STOP.is_set():
+                raise KeyboardInterrupt
     finally:
         stop(procs, grace)  # also after a clean exit: children a script left behind must not hold ports or cores
     return next((p.poll() for p in procs if p.poll() != 0), 0), timed_out

@@ -230,24 +230,30 @@ def test_runs_that_need_a_failed_collective_or_follow_a_hang_are_skipped_not_run
     ran = []
 
     def run_one(run, settings, out_dir):
-        ran.append(run.mode)
+        ran.append(("start", run.mode))
         hung = run.mode == "ddp_launch" and settings.max_n == 4
+        time.sleep(0.05 if hung else 0.01)
+        ran.append(("end", run.mode))
         return dict(status="timeout" if hung else "ok", error="killed after the 120 s timeout" if hung else "",
                     samples_per_s=1.0, wall_s=1.0, log_tail="", log_path="logs/x.log")
 
     monkeypatch.setattr(sweep, "run_one", run_one)
     args = doctor.parse_args(["--cpu", "2"])
     rows = doctor.training_rows(doctor.doctor_settings([], args, str(tmp_path)), str(tmp_path), failed_n={2})
-    assert ran == [m for m in MODES if not MODES[m].collective]  # 01 and 02 at n = 1
+    assert sorted(m for e, m in ran if e == "start") == sorted(m for m in MODES if not MODES[m].collective)  # n=1
     skipped = [r for r in rows if r["status"] == "skip" and "all-reduce at n=2 failed" in r["detail"]]
     assert len(skipped) == sum(MODES[m].collective for m in MODES
                                if not doctor.plan.unavailable_reason(m) and m != "fsdp_tp")  # 11: no run at n = 2
+    assert [r["check"] for r in rows] == [f"train {MODES[m].script[:2]} {m}" for m in MODES]  # in order
 
     ran.clear()
     args = doctor.parse_args(["--cpu", "4"])
     rows = doctor.training_rows(doctor.doctor_settings([], args, str(tmp_path)), str(tmp_path), failed_n=set())
-    assert "ddp_launch" in ran and "ddp_spawn" not in ran  # after 03's hang, no other run waits for its timeout
+    # Once 03 has hung, no run starts to wait for a timeout too; those beside it ran while it waited.
+    after = ran[ran.index(("end", "ddp_launch")):]
+    assert ("start", "ddp_launch") in ran and not [m for e, m in after if e == "start"], ran
     assert any("timed out" in r["detail"] for r in rows if r["status"] == "skip")
+    assert [r["check"] for r in rows] == [f"train {MODES[m].script[:2]} {m}" for m in MODES]
 
 
 @pytest.mark.parametrize("cpu, gpus", [(1, 0), (2, 0), (3, 0), (4, 0), (8, 0), (None, 1), (None, 2), (None, 8)])

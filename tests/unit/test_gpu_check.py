@@ -49,7 +49,7 @@ def test_a_step_cut_at_its_bound_still_leaves_its_log_and_what_it_writes_on_sigt
     # Its report takes longer than a run's own grace (KILL_GRACE_S) after the SIGTERM: the step's is longer.
     writes_on_sigterm = ("import signal, sys, time\n"
                          "def cut(*_):\n"
-                         f"    time.sleep({KILL_GRACE_S + 2})\n"
+                         f"    time.sleep({KILL_GRACE_S + 1})\n"
                          "    open(sys.argv[1] + '/report.md', 'w').write('the runs that finished')\n"
                          "    sys.exit(130)\n"
                          "signal.signal(signal.SIGTERM, cut)\n"
