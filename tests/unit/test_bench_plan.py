@@ -13,8 +13,8 @@ import uuid
 import pandas as pd
 import pytest
 
-from helpers import MODES, ROOT, TORCHRUN, gpu_settings, has_marker, load_script, read_runs, script_command
-from bench import doctor, flags, plan, plots, report, run_all, runs_csv, sweep
+from helpers import MODES, ROOT, TORCHRUN, gpu_settings, has_marker, load_script, read_runs, script_command, slack
+from bench import doctor, flags, plan, plots, processes, report, run_all, runs_csv, sweep
 from bench.commands import commands
 from bench.processes import run_processes
 
@@ -470,3 +470,15 @@ def test_an_epoch_that_the_global_batch_does_not_divide_gets_one_step_more_not_o
     for run in runs:
         steps, batch = plan.steps_per_epoch(run, settings), plan.global_batch(run)
         assert (steps - 1) * batch < epoch_images <= steps * batch, (run, steps, batch)
+
+
+def test_a_node_that_failed_leaves_its_peer_peer_grace_s_not_the_whole_timeout(tmp_path, monkeypatch):
+    """05's two nodes: once one has failed, the other would only wait for a rendezvous that never comes. It gets
+    PEER_GRACE_S (15 s; 1 s here), then it is stopped, and the failed node's exit code is the run's."""
+    monkeypatch.setattr(processes, "PEER_GRACE_S", 1)
+    failed = ({}, [sys.executable, "-c", "import sys; sys.exit(3)"])
+    waits = ({}, [sys.executable, "-c", "import time; time.sleep(300)"])
+    started = time.monotonic()
+    code, timed_out = run_processes([failed, waits], [tmp_path / "node0.log", tmp_path / "node1.log"], timeout=120)
+    took = time.monotonic() - started
+    assert (code, timed_out) == (3, False) and took < slack(1 + processes.KILL_GRACE_S + 3), (code, timed_out, took)
