@@ -61,6 +61,15 @@ def as_on_cuda(tmp_path, *more_hooks):
     return dict(PYTHONPATH=path, AS_ON_CUDA_LOG=str(log)), log
 
 
+def trained_as_on_cuda(log, world_size):
+    """The hook's line of each process that trained, one per rank: not torchrun's agent, nor spawn's parent (10's
+    stage 1 runs no convolution, but copies its batches)."""
+    lines = [json.loads(line) for line in Path(log).read_text().splitlines()]
+    training = [line for line in lines if line["conv_grads"] or "train_epoch" in line["copies"]]
+    assert len(training) == world_size, lines  # the hook ran in every rank
+    return training
+
+
 # Another set of CPU kernels than the tests run on (x86: ATen's scalar kernels and oneDNN's SSE4.1 ones, or AVX2 where
 # the tests already run on the scalar ones): the same run there differs only by float rounding, other vector
 # widths summing in another order. A mode's update compares with 01's within ROUNDING times that spread, per

@@ -2,8 +2,9 @@
 optimizers update all weights as one list (foreach), cuDNN's convolution backward rounds differently from call to
 call, and the CPU does not wait for the GPU unless it reads a result or copies a batch without non_blocking. A test
 that runs on the CPU's defaults sees none of it: 09 crashed at its first step on every CUDA GPU, and every test
-passed. Here every numbered script runs as a user starts it, with the hook in tests/as_on_cuda on PYTHONPATH: the
-CPU takes CUDA's paths, in every process of the run."""
+passed. Here 09 and 03 run as a user starts them, with the hook in tests/as_on_cuda on PYTHONPATH: the CPU takes
+CUDA's paths, in every process of the run. Every mode's run takes them in the fast tier: its foreach update and
+a step that never waits (tests/unit/test_each_mode_runs.py)."""
 import json
 from pathlib import Path
 
@@ -11,13 +12,12 @@ import pytest
 import torch
 
 from helpers import (MODES, QUICK_TEST_IMAGES, as_on_cuda, free_port, processes_for, run, run_two_nodes,
-                     script_command)
+                     script_command, trained_as_on_cuda)
 from bench import plan
 
-STEPS = 8  # one epoch of 8 steps: a host read made at every step would be counted 8 times
+STEPS = 8  # one epoch of 8 steps
 PROCESSES = 2  # or the fewest a mode's row runs with (helpers.processes_for: 4 for 11's 2 x 2 mesh)
 RANK_WEIGHTS = Path(__file__).resolve().parent / "rank_weights"  # each rank's tensors, saved as it exits
-LOOP = {"train_epoch", "training_step", "timed"}  # the functions a training step passes through, in every script
 
 
 def trained(name, data_dir, tmp_path, hooks=(), env=None):
@@ -40,26 +40,7 @@ def trained(name, data_dir, tmp_path, hooks=(), env=None):
             on_again=lambda: log.unlink(missing_ok=True))  # each process appends its line: the last run's only
     record = json.loads((tmp_path / "metrics.json").read_text())
     assert record["epochs_detail"][0]["test_samples"] == QUICK_TEST_IMAGES
-    lines = [json.loads(line) for line in log.read_text().splitlines()]
-    # Not torchrun's agent, nor spawn's parent: the processes that trained (10's stage 1 runs no convolution).
-    training = [line for line in lines if line["conv_grads"] or "train_epoch" in line["copies"]]
-    assert len(training) == record["world_size"], lines  # the hook ran in every rank
-    return record, training
-
-
-@pytest.mark.parametrize("name", MODES)
-def test_every_script_trains_on_cudas_default_paths(name, quick_mnist_dir, tmp_path):
-    """The foreach update (09 mixed plain tensors and DTensors in it), and a step that never waits: its batch
-    copied with non_blocking=True, and no read on the host at each step (a loss.item() there would cost a wait)."""
-    _, processes = trained(name, quick_mnist_dir, tmp_path)
-    for process in processes:
-        reads = sum(count for function, count in process["reads"].items() if function in LOOP)
-        assert reads < STEPS, f"{MODES[name].script} reads on the host at every step: {process['reads']}"
-        for function in LOOP & process["copies"].keys():
-            blocking, _ = process["copies"][function]
-            assert blocking == 0, f"{MODES[name].script}: {function} copies a batch without non_blocking=True"
-    if MODES[name].script != "07_lightning.py":  # Lightning copies the batch itself, non-blocking on CUDA
-        assert all(process["copies"]["train_epoch"][1] == 2 * STEPS for process in processes), processes
+    return record, trained_as_on_cuda(log, record["world_size"])
 
 
 def test_cudnn_rounding_does_not_part_the_ranks_copies_of_09s_convolutions(quick_mnist_dir, tmp_path):

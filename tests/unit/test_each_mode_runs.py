@@ -1,6 +1,8 @@
 """One short run of each mode of the table (bench.family.MODES), started as a user starts it: the script trains on
-the quick MNIST and writes its metrics record. The fast tier's end-to-end check; what each mode guarantees (the
-same update, exact evaluation, restarts) is proved in tests/integration."""
+the quick MNIST and writes its metrics record. Each run takes CUDA's default paths on the CPU (the hook in
+tests/as_on_cuda): the optimizers' foreach update, which crashed 09 at its first step on every CUDA GPU, and a
+step that never waits for the GPU. The fast tier's end-to-end check; what each mode guarantees (the same update,
+exact evaluation, restarts) is proved in tests/integration, cuDNN's rounding in tests/integration/test_cuda_defaults.py."""
 import json
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -8,11 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from bench import plan
-from helpers import (EPOCH_KEYS, MODES, RUN_KEYS, TRAIN_IMAGES, free_port, processes_for, run, run_two_nodes,
-                     script_command, write_fake_mnist)
+from helpers import (EPOCH_KEYS, MODES, RUN_KEYS, TRAIN_IMAGES, as_on_cuda, free_port, processes_for, run,
+                     run_two_nodes, script_command, trained_as_on_cuda, write_fake_mnist)
 
-STEPS, BATCH = 2, 32  # per process: two steps of 32 images (64 in one step for the modes of two processes)
+# Per process: 8 steps of 16 images (32 in one step for the modes of two processes). 8: a host read made at every
+# step would be counted 8 times.
+STEPS, BATCH = 8, 16
 TEST_IMAGES = 200  # scored by every mode: the exact-evaluation tests use 1,000, here only the record counts
+LOOP = {"train_epoch", "training_step", "timed"}  # the functions a training step passes through, in every script
 PROCESSES = 2  # where a mode's processes meet in a process group: the smallest world that has to communicate
                # (or the smallest its row runs with: 4 for 11's 2 x 2 mesh)
 AT_ONCE = 2  # runs at a time: a short run waits mostly on its start-up (imports, torchrun, the group), so two
@@ -24,8 +29,9 @@ def world_size(mode):
 
 
 def train(name, out, data_dir):
-    """One mode's short run, started as a user starts it: (its result, or the failure it raised; its record)."""
-    mode = MODES[name]
+    """One mode's short run, started as a user starts it, as on CUDA: (its result, or the failure it raised; its
+    record; the hook's log)."""
+    mode, (env, log) = MODES[name], as_on_cuda(out)
     processes = world_size(mode) if mode.collective else None  # None: python SCRIPT
     metrics = out / "metrics.json"
     args = ["--data-dir", data_dir, "--epochs", 1, "--max-steps", STEPS, "--batch-size", BATCH,
@@ -33,17 +39,18 @@ def train(name, out, data_dir):
     args += ["--snapshot", out / "snapshot.pt"] if mode.snapshot else []
     try:
         if mode.launch.nodes > 1:  # two "nodes" of one process each on this host
-            return run_two_nodes(*args, timeout=180), metrics
+            return run_two_nodes(*args, timeout=180, env=env), metrics, log
         # a script that starts its processes itself takes a free port (04's default may be taken)
         args += ["--master-port", free_port()] if "--master-port" in mode.flags else []
-        return run(script_command(mode.script, *args, nprocs=processes), timeout=180), metrics
+        return run(script_command(mode.script, *args, nprocs=processes), timeout=180, env=env,
+                   on_again=lambda: log.unlink(missing_ok=True)), metrics, log  # each process appends its line
     except BaseException as failure:  # raised again by this mode's own test
-        return failure, metrics
+        return failure, metrics, log
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every available mode's run, AT_ONCE at a time: {name: (result or failure, record path)}."""
+    """Every available mode's run, AT_ONCE at a time: {name: (result or failure, record path, the hook's log)}."""
     data_dir = write_fake_mnist(str(tmp_path_factory.mktemp("mnist")), train=TRAIN_IMAGES, test=TEST_IMAGES)
     names = [name for name in MODES if not plan.unavailable_reason(name)]
     names.sort(key=lambda name: -world_size(MODES[name]))  # the longest, 11's four processes, first
@@ -57,7 +64,7 @@ def test_each_mode_trains_and_writes_its_record(name, runs):
     mode = MODES[name]
     if plan.unavailable_reason(name):  # 07 without lightning; a mode whose script this checkout lacks
         pytest.skip(f"{mode.script}: {plan.unavailable_reason(name)}")
-    result, metrics = runs[name]
+    result, metrics, log = runs[name]
     if isinstance(result, BaseException):
         raise result
     assert "epoch 1:" in result.stdout, result.stdout
@@ -70,3 +77,23 @@ def test_each_mode_trains_and_writes_its_record(name, runs):
     (epoch,) = record["epochs_detail"]
     assert EPOCH_KEYS <= epoch.keys() and epoch["test_samples"] == TEST_IMAGES
     assert math.isfinite(epoch["train_loss"]) and record["samples_per_s"] > 0
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_each_mode_takes_cudas_default_paths_and_never_waits_at_a_step(name, runs):
+    """The foreach update (09 mixed plain tensors and DTensors in it), and a step that never waits: its batch
+    copied with non_blocking=True, and no read on the host at each step (a loss.item() there would cost a wait)."""
+    if plan.unavailable_reason(name):
+        pytest.skip(f"{MODES[name].script}: {plan.unavailable_reason(name)}")
+    if isinstance(runs[name][0], BaseException):
+        raise runs[name][0]
+    _, metrics, log = runs[name]
+    processes = trained_as_on_cuda(log, json.loads(metrics.read_text())["world_size"])
+    for process in processes:
+        reads = sum(count for function, count in process["reads"].items() if function in LOOP)
+        assert reads < STEPS, f"{MODES[name].script} reads on the host at every step: {process['reads']}"
+        for function in LOOP & process["copies"].keys():
+            blocking, _ = process["copies"][function]
+            assert blocking == 0, f"{MODES[name].script}: {function} copies a batch without non_blocking=True"
+    if MODES[name].script != "07_lightning.py":  # Lightning copies the batch itself, non-blocking on CUDA
+        assert all(process["copies"]["train_epoch"][1] == 2 * STEPS for process in processes), processes
