@@ -180,6 +180,51 @@ def test_a_correct_copy_with_batchnorm_is_not_called_broken(text_dir, tmp_path):
     assert [held for held, _ in lines] == [None] and "BatchNorm" in lines[0][1] and "SyncBatchNorm" in lines[0][1]
 
 
+# docs/copying.md's recipe for random augmentation in loader workers, in 06's worked copy: a random augmentation
+# that is an nn.Module (as torchvision's transforms are), called in the 2 workers. Its draws come from the
+# generator of the seed, the epoch and the row; the control draws from the worker's own RNG.
+AUGMENTED = [
+    ("    def __len__(self):\n        return len(self.labels)\n",
+     "        self.seed, self.epoch, self.augment, self.drop = args.seed, 0, train, DropTokens()\n\n"
+     "    def __len__(self):\n        return len(self.labels)\n"),
+    ("    def __getitem__(self, row):\n        return self.tokens[row], self.labels[row]\n",
+     "    def __getitem__(self, row):\n"
+     "        g = torch.Generator().manual_seed(hash((self.seed, self.epoch, row)))  # this row's own draws\n"
+     "        tokens = self.drop(self.tokens[row], g) if self.augment else self.tokens[row]\n"
+     "        return tokens, self.labels[row]\n\n\n"
+     "class DropTokens(nn.Module):  # a random augmentation: a tenth of a row's tokens dropped\n"
+     "    def forward(self, tokens, g):\n"
+     "        keep = torch.rand(len(tokens), generator=g) > 0.1\n"
+     "        return tokens[keep] if keep.any() else tokens\n"),
+    ("        sampler.set_epoch(epoch)  # a new shuffle", "        train_set.epoch = epoch\n        sampler.set_epoch(epoch)  # a new shuffle"),
+]
+
+
+@pytest.fixture(scope="module")
+def augmented_checked(text_dir, tmp_path_factory):
+    """The recipe's copy and the control's, resumed at epoch 2, step 1: batch 1 comes from worker 0 after the
+    resume, from worker 1 without it. Before the kill landed in the training process, the hook counted the
+    augmentation's forward passes in the workers as steps, killed a worker in epoch 1, and said holds."""
+    folder, text = tmp_path_factory.mktemp("augmented"), COPY_06.read_text()
+    for old, new in AUGMENTED:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    recipe, worker_rng = folder / "recipe.py", folder / "worker-rng.py"
+    recipe.write_text(text)
+    worker_rng.write_text(text.replace("torch.rand(len(tokens), generator=g)", "torch.rand(len(tokens))"))
+    return check(recipe, worker_rng, data_dir=text_dir, only="resume")
+
+
+def test_random_augmentation_in_workers_resumes_exactly_with_the_pages_recipe(augmented_checked):
+    _, lines = augmented_checked["recipe.py"]
+    assert [held for held, _ in lines] == [True] and "resumed there" in lines[0][1], lines
+
+
+def test_random_augmentation_from_the_workers_rng_is_broken_at_an_odd_step(augmented_checked):
+    _, lines = augmented_checked["worker-rng.py"]
+    assert [held for held, _ in lines] == [False] and RESUME in lines[0][1], lines
+
+
 def copy_size(copy):
     return run([sys.executable, COPY_SIZE, copy, ROOT / PARENTS[copy]]).stdout.strip()
 
