@@ -46,10 +46,8 @@ def test_an_output_folder_that_cannot_be_written_is_refused_before_any_step(tmp_
 def test_a_step_cut_at_its_bound_still_leaves_its_log_and_what_it_writes_on_sigterm_in_the_archive(tmp_path,
                                                                                                    monkeypatch):
     # as the sweep does (report.md and plots of the finished runs) and the doctor (its table and --json)
-    # Its report takes longer than a run's own grace (KILL_GRACE_S) after the SIGTERM: the step's is longer.
     writes_on_sigterm = ("import signal, sys, time\n"
                          "def cut(*_):\n"
-                         f"    time.sleep({KILL_GRACE_S + 1})\n"
                          "    open(sys.argv[1] + '/report.md', 'w').write('the runs that finished')\n"
                          "    sys.exit(130)\n"
                          "signal.signal(signal.SIGTERM, cut)\n"
@@ -62,6 +60,20 @@ def test_a_step_cut_at_its_bound_still_leaves_its_log_and_what_it_writes_on_sigt
     with tarfile.open(tmp_path / "out" / "gpu-check.tgz") as archive:
         assert {"gpu-check/sweep.log", "gpu-check/report.md"} <= set(archive.getnames())
         assert archive.extractfile("gpu-check/report.md").read() == b"the runs that finished"
+
+
+def test_a_cut_step_has_longer_to_end_than_a_run_has(tmp_path, monkeypatch):
+    """A cut step's sweep or doctor ends its own runs first (each KILL_GRACE_S), then writes its report: the step
+    gets CUT_GRACE_S between its SIGTERM and SIGKILL, not a run's grace."""
+    graces = []
+
+    def spy(cmds, logs, timeout, grace=KILL_GRACE_S):
+        graces.append(grace)
+        open(logs[0], "w").close()
+        return 0, False
+    monkeypatch.setattr(gpu_check, "run_processes", spy)
+    gpu_check.run_step("sweep", [PY, "-c", "pass"], 3, str(tmp_path))
+    assert graces == [gpu_check.CUT_GRACE_S] and gpu_check.CUT_GRACE_S > 2 * KILL_GRACE_S
 
 
 def test_a_hung_command_inside_a_step_is_given_up_on_before_the_step_is_cut(tmp_path, monkeypatch):
