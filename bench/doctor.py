@@ -1,6 +1,6 @@
 """Is this machine ready for multi-GPU training? Run this first on a new machine: one table, each failure with its
 likely cause and fix. --quick takes under a minute. The short run of each mode, two at a time on the CPU, took
-70 s in all on a quiet 2-core VM (85 s one at a time).
+67-69 s in all on a quiet 2-core VM (85 s one at a time).
 
     python bench/doctor.py                  # every GPU (or 2 CPU processes with gloo where there is none)
     python bench/doctor.py --gpus 0,1       # those GPUs (positions among the visible ones, as run_all.py takes)
