@@ -54,3 +54,21 @@ def test_the_rows_check_runs_where_a_padded_test_sampler_repeats_rows(test_rows)
     assert held is False and "padded?" in said, said
     exact = [dict(eval_rows=2 * len(range(rank, test_rows, n))) for rank in range(n)]  # 03's strided rows
     assert check_copy.check_rows(exact, "", test_rows)[0] is True
+
+
+@pytest.mark.parametrize("line, why", [
+    ("transform = transforms.Compose([transforms.RandomCrop(28, padding=2), transforms.ToTensor()])",
+     "a random augmentation"),
+    ("self.norm = nn.BatchNorm2d(32)", "BatchNorm normalises each rank's own batch"),
+    ("self.norm = nn.SyncBatchNorm(32)  # BatchNorm2d( across ranks", None),
+    ("self.fc = nn.Linear(64, 4)  # no random draws: random.Random(seed) is the data's, not the model's", None)])
+def test_an_update_that_cannot_match_is_not_checked_and_says_what_to_change(line, why, tmp_path):
+    """2 x B cannot give 1 x 2B's update with a random augmentation on, or BatchNorm on the CPU: the checker says
+    so (n/a, not BROKEN), before any run, and what to change to compare."""
+    copy = tmp_path / "copy.py"
+    copy.write_text(f"import torch.distributed as dist\ndist.init_process_group('gloo')\n{line}\n")
+    if why is None:
+        assert check_copy.cannot_match(copy.read_text()) == ""
+        return
+    held, said = check_copy.check_update(copy, "torchrun", [], tmp_path)  # it would fail if it ran the copy
+    assert held is None and said.startswith("not checked: ") and why in said and "compare" in said, said
