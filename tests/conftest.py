@@ -1,6 +1,7 @@
 """pytest's hooks and the shared fixtures: the markers, the skip of tests marked gpu where there is no CUDA, a small
 learnable MNIST in torchvision's raw layout, and a stand-in nvidia-smi. What the tests share besides: helpers.py."""
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -9,6 +10,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from helpers import ...` in both tiers' files
 from helpers import NVIDIA_SMI, QUICK_TEST_IMAGES, TRAIN_IMAGES, fake_command, write_fake_mnist  # noqa: E402
+
+
+# A pytest started in the background by a script (`python -m pytest tests &`) inherits SIGINT ignored, and so would
+# every process it starts: the tests that interrupt a worker need SIGINT as a terminal gives it.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_configure(config):
