@@ -280,9 +280,9 @@ def training_rows(settings, work, failed_n, rows=None):
     at_once = AT_ONCE if settings.cpu else 1  # on GPUs a run has every GPU the doctor checks
 
     def finish(future):
-        mode, check, run = running.pop(future)
-        done[mode] = training_row(check, run, future.result(), work, at_once)
-        hung.extend([check] if future.result()["status"] == "timeout" else [])
+        (mode, check, run), result = running.pop(future), future.result()
+        done[mode] = training_row(check, run, result, work, at_once)
+        hung.extend([check] if result["status"] == "timeout" else [])
 
     def flush():
         while order and order[0] in done:

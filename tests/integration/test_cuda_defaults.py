@@ -8,36 +8,23 @@ a step that never waits (tests/unit/test_each_mode_runs.py)."""
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
-from helpers import (MODES, QUICK_TEST_IMAGES, as_on_cuda, free_port, processes_for, run, run_two_nodes,
-                     script_command, trained_as_on_cuda)
-from bench import plan
+from helpers import MODES, QUICK_TEST_IMAGES, as_on_cuda, run, script_command, trained_as_on_cuda
 
 STEPS = 8  # one epoch of 8 steps
-PROCESSES = 2  # or the fewest a mode's row runs with (helpers.processes_for: 4 for 11's 2 x 2 mesh)
+PROCESSES = 2
 RANK_WEIGHTS = Path(__file__).resolve().parent / "rank_weights"  # each rank's tensors, saved as it exits
 
 
 def trained(name, data_dir, tmp_path, hooks=(), env=None):
-    """A short run of mode `name` as a user starts it, under the hook (and hooks after it, with env); its record
-    and the hook's line of each training process."""
-    mode = MODES[name]
-    if plan.unavailable_reason(name):
-        pytest.skip(f"{mode.script}: {plan.unavailable_reason(name)}")
+    """A short run of mode `name` (09 or 03: torchrun, 2 processes) as a user starts it, under the hook (and hooks
+    after it, with env); its record and the hook's line of each training process."""
     hooked, log = as_on_cuda(tmp_path, *hooks)
-    env = {**hooked, **(env or {})}
     args = ["--data-dir", data_dir, "--max-steps", STEPS, "--batch-size", 16, "--log-interval", 0,
             "--metrics-json", tmp_path / "metrics.json"]
-    args += ["--snapshot", tmp_path / "snapshot.pt"] if mode.snapshot else []
-    if mode.launch.nodes > 1:
-        run_two_nodes(*args, timeout=240, env=env)
-    else:
-        args += ["--master-port", free_port()] if "--master-port" in mode.flags else []
-        nprocs = processes_for(mode, PROCESSES) if mode.collective else None
-        run(script_command(mode.script, *args, nprocs=nprocs), timeout=240, env=env,
-            on_again=lambda: log.unlink(missing_ok=True))  # each process appends its line: the last run's only
+    run(script_command(MODES[name].script, *args, nprocs=PROCESSES), timeout=240, env={**hooked, **(env or {})},
+        on_again=lambda: log.unlink(missing_ok=True))  # each process appends its line: the last run's only
     record = json.loads((tmp_path / "metrics.json").read_text())
     assert record["epochs_detail"][0]["test_samples"] == QUICK_TEST_IMAGES
     return record, trained_as_on_cuda(log, record["world_size"])

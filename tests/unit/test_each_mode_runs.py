@@ -2,7 +2,7 @@
 the quick MNIST and writes its metrics record. Each run takes CUDA's default paths on the CPU (the hook in
 tests/as_on_cuda): the optimizers' foreach update, which crashed 09 at its first step on every CUDA GPU, and a
 step that never waits for the GPU. The fast tier's end-to-end check; what each mode guarantees (the same update,
-exact evaluation, restarts) is proved in tests/integration, cuDNN's rounding in tests/integration/test_cuda_defaults.py."""
+exact evaluation, restarts) is proved in tests/integration, cuDNN's rounding in test_cuda_defaults.py there."""
 import json
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -59,14 +59,19 @@ def runs(tmp_path_factory):
         return dict(zip(names, done))
 
 
+def finished(name, runs):
+    """The mode's run (result, record path, the hook's log); skipped where the mode cannot run here."""
+    if plan.unavailable_reason(name):  # 07 without lightning; a mode whose script this checkout lacks
+        pytest.skip(f"{MODES[name].script}: {plan.unavailable_reason(name)}")
+    if isinstance(runs[name][0], BaseException):
+        raise runs[name][0]
+    return runs[name]
+
+
 @pytest.mark.parametrize("name", MODES)
 def test_each_mode_trains_and_writes_its_record(name, runs):
     mode = MODES[name]
-    if plan.unavailable_reason(name):  # 07 without lightning; a mode whose script this checkout lacks
-        pytest.skip(f"{mode.script}: {plan.unavailable_reason(name)}")
-    result, metrics, log = runs[name]
-    if isinstance(result, BaseException):
-        raise result
+    result, metrics, _ = finished(name, runs)
     assert "epoch 1:" in result.stdout, result.stdout
     record = json.loads(metrics.read_text())
     assert RUN_KEYS <= record.keys(), f"{mode.script} misses {RUN_KEYS - record.keys()}"
@@ -83,11 +88,7 @@ def test_each_mode_trains_and_writes_its_record(name, runs):
 def test_each_mode_takes_cudas_default_paths_and_never_waits_at_a_step(name, runs):
     """The foreach update (09 mixed plain tensors and DTensors in it), and a step that never waits: its batch
     copied with non_blocking=True, and no read on the host at each step (a loss.item() there would cost a wait)."""
-    if plan.unavailable_reason(name):
-        pytest.skip(f"{MODES[name].script}: {plan.unavailable_reason(name)}")
-    if isinstance(runs[name][0], BaseException):
-        raise runs[name][0]
-    _, metrics, log = runs[name]
+    _, metrics, log = finished(name, runs)
     processes = trained_as_on_cuda(log, json.loads(metrics.read_text())["world_size"])
     for process in processes:
         reads = sum(count for function, count in process["reads"].items() if function in LOOP)
