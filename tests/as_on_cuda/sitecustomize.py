@@ -24,11 +24,13 @@ import re
 import runpy
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-later = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry
-         and os.path.abspath(entry) != HERE and os.path.isfile(os.path.join(entry, "sitecustomize.py"))]
-if later:
-    runpy.run_path(os.path.join(later[0], "sitecustomize.py"), run_name="later_sitecustomize")
+# A later sitecustomize on PYTHONPATH runs first (the tests' tests/fast_start): Python itself imports only the first.
+_path = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+_here = os.path.dirname(os.path.abspath(__file__))
+_later = [p for p in _path[_path.index(_here) + 1 if _here in _path else len(_path):]
+          if os.path.isfile(os.path.join(p, "sitecustomize.py"))]
+if _later:
+    runpy.run_path(os.path.join(_later[0], "sitecustomize.py"), run_name="later_sitecustomize")
 
 if os.environ.get("AS_ON_CUDA_LOG"):
     import torch

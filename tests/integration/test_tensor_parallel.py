@@ -4,6 +4,7 @@ each rank holds 1/n of fc1 and fc2; evaluation counts every test image once; the
 dict 01 loads. Each rank's own tensors are read by a hook on PYTHONPATH (tests/rank_weights), which the script
 does not know of."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ class Runs(dict):
         if number == "01":
             run(script_command("01_single_gpu.py", *args), timeout=120)
         else:
-            env = dict(PYTHONPATH=str(HOOK), RANK_WEIGHTS_DIR=str(out))
+            env = dict(PYTHONPATH=os.pathsep.join([str(HOOK), os.environ["PYTHONPATH"]]), RANK_WEIGHTS_DIR=str(out))
             run(script_command(SCRIPT, *args, nprocs=n), timeout=240, env=env)
         ranks = [torch.load(out / f"rank{rank}.pt") for rank in range(n)] if number == "09" else None
         self[key] = json.loads((out / "metrics.json").read_text()), torch.load(out / "model.pt"), ranks

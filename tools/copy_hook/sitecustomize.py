@@ -20,7 +20,17 @@ import builtins
 import io
 import json
 import os
+import runpy
 import signal
+
+# A later sitecustomize on PYTHONPATH runs first: the copy's environment may have its own, and the tests have one.
+# Python itself imports only the first.
+_path = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+_here = os.path.dirname(os.path.abspath(__file__))
+_later = [p for p in _path[_path.index(_here) + 1 if _here in _path else len(_path):]
+          if os.path.isfile(os.path.join(p, "sitecustomize.py"))]
+if _later:
+    runpy.run_path(os.path.join(_later[0], "sitecustomize.py"), run_name="later_sitecustomize")
 
 OUT = os.environ.get("CHECK_COPY_OUT")
 

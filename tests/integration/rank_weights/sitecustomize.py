@@ -4,10 +4,19 @@ local slice with its placements, a plain tensor with None. A test compares the r
 be replicated this way, with no line of the script changed and the script started as a user starts it."""
 import atexit
 import os
+import runpy
 
-import torch
-import torch.distributed.tensor.parallel as tensor_parallel
-from torch.distributed.tensor import DTensor
+# A later sitecustomize on PYTHONPATH runs first (the tests' tests/fast_start): Python itself imports only the first.
+_path = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+_here = os.path.dirname(os.path.abspath(__file__))
+_later = [p for p in _path[_path.index(_here) + 1 if _here in _path else len(_path):]
+          if os.path.isfile(os.path.join(p, "sitecustomize.py"))]
+if _later:
+    runpy.run_path(os.path.join(_later[0], "sitecustomize.py"), run_name="later_sitecustomize")
+
+import torch  # noqa: E402
+import torch.distributed.tensor.parallel as tensor_parallel  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 real_parallelize_module = tensor_parallel.parallelize_module
 
