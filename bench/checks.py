@@ -25,7 +25,8 @@ ADVICE = [
      "or --ipc=host (DataLoader workers and NCCL within a node use it)"),
     (("multiple ranks are using the same gpu", "duplicate gpu detected"),  # the second: NCCL before 2.30's
      "two ranks use the same GPU: each rank must take its own (cuda:LOCAL_RANK), and CUDA_VISIBLE_DEVICES must list "
-     "at least as many GPUs as processes; to share one GPU on purpose, NCCL 2.30+ takes NCCL_MULTI_RANK_GPU_ENABLE=1"),
+     "at least as many GPUs as processes; to share one GPU on purpose, NCCL 2.30+ takes NCCL_MULTI_RANK_GPU_ENABLE=1, "
+     "and an older NCCL a different NCCL_HOSTID for each rank"),
     (("mismatched nccl version detected", "nccl version mismatch with remote peer"),
      "the ranks run different NCCL versions (other torch installs on the nodes, or a system libnccl on one node's "
      "LD_LIBRARY_PATH): install the same torch on every node (pip install -r requirements.txt)"),

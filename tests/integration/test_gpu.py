@@ -31,9 +31,16 @@ pytestmark = pytest.mark.gpu
 GPUS = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES",
                                                ",".join(map(str, range(torch.cuda.device_count())))),
         "NVIDIA_TF32_OVERRIDE": "0"}
-# NCCL refuses two ranks of one machine on one GPU ("Multiple Ranks are using the same GPU") unless this is set:
-# NCCL's own switch from 2.30 on (torch 2.14.1 ships NCCL 2.30.7).
-TWO_RANKS_ON_ONE_GPU = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+
+
+def two_ranks_on_one_gpu(rank):
+    """What rank `rank` needs to share GPU 0 with the other. NCCL refuses two ranks of one host on one GPU. From
+    NCCL 2.30 on (torch 2.14.1 ships 2.30.7), NCCL_MULTI_RANK_GPU_ENABLE=1 allows it. Before 2.30 it has no such
+    switch: a lent H200's torch 2.11 (NCCL 2.28.9) said "Duplicate GPU detected" for all 8 modes. So each rank also
+    names a host of its own (NCCL_HOSTID), which every NCCL version honours: the two "nodes" then talk over
+    sockets on the loopback interface, as two real nodes would over their network."""
+    return {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_HOSTID": f"two-ranks-node-{rank}", "NCCL_SOCKET_IFNAME": "lo"}
+
 
 GPU_COUNT = max(1, torch.cuda.device_count())
 # The global batch of every run: 64 per GPU in the one-GPU-each form, which two ranks split evenly too.
@@ -104,8 +111,8 @@ def train_at_once(scripts, tmp, timeout):
         args = ["--synthetic", "--max-steps", 4, "--log-interval", 0, "--no-dropout", "--batch-size",
                 mode.batch.loader_batch(per_device, n), "--metrics-json", out[script] / "m.json",
                 "--save-model", out[script] / "model.pt"] + ["--snapshot", out[script] / "snapshot.pt"] * mode.snapshot
-        env = {**GPUS, **(TWO_RANKS_ON_ONE_GPU if script in TWO_RANKS else {})}
-        started[script] = (n, [start(argv + [str(a) for a in args], env=env) for argv in argvs])
+        envs = [{**GPUS, **(two_ranks_on_one_gpu(rank) if script in TWO_RANKS else {})} for rank, _ in enumerate(argvs)]
+        started[script] = (n, [start(argv + [str(a) for a in args], env=env) for argv, env in zip(argvs, envs)])
     processes = [p for _, group in started.values() for p in group]
     began, deadline = time.monotonic(), time.monotonic() + timeout
     pool = ThreadPoolExecutor(len(processes))  # a reader each: no run may stall on a full pipe
