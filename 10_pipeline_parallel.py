@@ -176,9 +176,11 @@ def train_epoch(model, schedule, train_batches, optimizer, args, world, epoch): 
     loss_sum = torch.zeros((), device=world.device)  # float32: MPS has no float64
     for step, (inputs, labels) in enumerate(train_batches):
         optimizer.zero_grad(set_to_none=True)
-        losses = []  # PP: one a microbatch, on the last stage: only it has the labels and loss_fn
-        schedule.step(inputs.to(world.device, non_blocking=True),  # PP: images into stage 0, labels
-                      target=labels.to(world.device, non_blocking=True), losses=losses)  # PP: to 1
+        losses = []  # PP: one a microbatch, filled on the last stage
+        if world.rank == 0:  # PP: the images go into the first stage
+            schedule.step(inputs.to(world.device, non_blocking=True))  # PP
+        else:  # PP: only the last stage gets the labels and runs loss_fn, once a microbatch
+            schedule.step(target=labels.to(world.device, non_blocking=True), losses=losses)  # PP
         loss = sum(losses, torch.zeros((), device=world.device)).detach() / args.microbatches  # PP
         dist.broadcast(loss, 1)  # PP: stage 1's mean loss (0 above on stage 0), for rank 0 too
         optimizer.step()
@@ -212,8 +214,7 @@ def evaluate(net, test_batches, world):  # loss, accuracy, and how many samples 
 
 def run(args, world):
     if args.batch_size % args.microbatches:  # PP: the schedule cuts a batch into equal pieces
-        sys.exit(f"error: --batch-size {args.batch_size} does not split into {args.microbatches} "
-                 "microbatches of one size: give a --batch-size that --microbatches divides")
+        sys.exit(f"error: --batch-size {args.batch_size} is not a multiple of --microbatches")
     if world.world_size != 2:  # PP: one stage a process
         sys.exit(f"error: 2 stages, one a process: --nproc_per_node 2, not {world.world_size}")
     torch.manual_seed(args.seed)  # PP: 01's weights on both ranks; each keeps its stage's
@@ -229,7 +230,6 @@ def run(args, world):
              nn.Sequential(net.fc1, nn.ReLU(), net.dropout2, net.fc2)][world.rank]  # PP: on rank 1
     stage = PipelineStage(model.to(world.device), world.rank, 2, world.device)  # PP: its layers
     Schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]  # PP
-    # PP: only the last stage has the labels and the loss: loss_fn runs there, once a microbatch
     schedule = Schedule(stage, args.microbatches, loss_fn=F.cross_entropy)  # PP: gradients / m
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)

@@ -27,7 +27,7 @@ CASES = {
     "batch size 0": ("01_single_gpu.py", ["--batch-size", "0"], "argument --batch-size: must be in", None),
     "batch larger than the data": ("02_data_parallel.py", ["--batch-size", "100000"], "more than the", None),
     "batch not a whole number of microbatches": ("10_pipeline_parallel.py", ["--batch-size", "10"],
-                                                 "--batch-size 10 does not split into 4 microbatches", None),
+                                                 "--batch-size 10 is not a multiple of --microbatches", None),
     "gpu ids do not parse": ("02_data_parallel.py", ["--gpus", "a,b"], "--gpus a,b", None),
     "gpu id does not exist": ("02_data_parallel.py", ["--gpus", "99"], "--gpus 99", None),
     "data missing": ("01_single_gpu.py", [], "MNIST/raw/", "empty"),
