@@ -10,8 +10,8 @@ The copy is started as its parent is: torchrun (03, 06, 08), --nprocs (04), -n 1
 shards its training set with torch.utils.data.DistributedSampler and scores its test rows in eval() without
 gradients. tools/copy_hook (on the runs' PYTHONPATH) records each process's sampler orders, the rows it scored
 and the files it wrote; none of the copy's own measurement is needed. Per guarantee it prints `holds`,
-`BROKEN`, or `n/a` where it could not try it, and what it saw; it exits 1 if any is BROKEN. 09, 10 and 11,
-whose ranks share every batch, are refused in one line.
+`BROKEN`, or `n/a` where it could not try it, and what it saw; it exits 1 if any is BROKEN. Its runs go two
+at a time, every script's queued at once. 09, 10 and 11, whose ranks share every batch, are refused in one line.
 """
 import argparse
 import json
@@ -20,6 +20,7 @@ import re
 import shutil
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ HOOK = Path(__file__).resolve().parent / "copy_hook"
 BATCH, STEPS, TEST_BATCH = 8, 4, 64  # 4 steps a rank an epoch, 2 epochs
 MNIST_TRAIN, MNIST_TEST = 960, 250  # 250 test rows: 3 ranks cannot split them evenly, so padding shows
 TIMEOUT_S = 600
+AT_ONCE = 2  # runs at a time: a short run waits mostly on its start-up, so two share 2 cores well
 SHARDS = "each rank's training shard disjoint from the others' and reshuffled every epoch"
 ROWS = "every test row scored once"
 UPDATE = "the same update at 2 x B (2 processes) as at 1 x 2B (1 process)"
@@ -212,28 +214,37 @@ def world_size_for(test_rows):
     return next(k for k in range(3, 64) if test_rows % k)
 
 
-def check(script, kind, data_args, test_rows, out, only=CHECKS):
-    """[(guarantee, held, what was seen)] for the script, its runs in folders under out; only: which checks."""
+def check(script, kind, data_args, test_rows, out, only, pool):
+    """Queue the script's runs on pool, in folders under out; only: which checks. Returns a function that waits
+    for them and gives [(guarantee, held, what was seen)]."""
     source = script.read_text()
     n = 1 if kind == "single" else world_size_for(test_rows)
     common = [*data_args, "--max-steps", STEPS, "--test-batch-size", TEST_BATCH, "--log-interval", 0]
     args = [*common, "--epochs", 2, "--batch-size", BATCH]
     snapshots = ["--snapshot-every", 1] if takes_snapshots(source) else []  # and each run its --snapshot
-    results = []
-    if {"shards", "rows", "writes"} & set(only):  # all three from one run at n ranks (1 for a one-process copy)
-        whole = out / "whole"
-        records, log = run(script, kind, n, [*args, "--save-model", whole / "model.pt",
-                                             *(snapshots and [*snapshots, "--snapshot", whole / "s.pt"])], whole)
+
+    def whole():  # shards, rows and writes, all three from one run at n ranks (1 for a one-process copy)
+        records, log = run(script, kind, n, [*args, "--save-model", out / "whole" / "model.pt",
+                                             *(snapshots and [*snapshots, "--snapshot", out / "whole" / "s.pt"])],
+                           out / "whole")
         if records is None:
-            return [("it runs", False, last_line(log))]
+            return None, last_line(log)
         seen = dict(shards=lambda: check_shards(records, n), rows=lambda: check_rows(records, log, test_rows),
                     writes=lambda: check_writes(records))
-        results += [(CHECKS[key], *seen[key]()) for key in seen if key in only]
-    if "update" in only:
-        results.append((UPDATE, *check_update(script, kind, common, out)))
-    if "resume" in only and snapshots:
-        results.append((RESUME, *check_resume(script, kind, [*args, *snapshots], out)))
-    return results
+        return [(CHECKS[key], *seen[key]()) for key in seen if key in only], ""
+
+    groups = [pool.submit(whole) if {"shards", "rows", "writes"} & set(only) else None,  # independent runs
+              pool.submit(check_update, script, kind, common, out) if "update" in only else None,
+              pool.submit(check_resume, script, kind, [*args, *snapshots], out)
+              if "resume" in only and snapshots else None]
+
+    def verdicts():
+        ran, update, resume = (group and group.result() for group in groups)
+        if ran and ran[0] is None:
+            return [("it runs", False, ran[1])]
+        return [*(ran[0] if ran else []), *([(UPDATE, *update)] if update else []),
+                *([(RESUME, *resume)] if resume else [])]
+    return verdicts
 
 
 def main(argv=None):
@@ -263,12 +274,12 @@ def main(argv=None):
             data_dir, test_rows = Path(write_fake_mnist(str(work / "mnist"), MNIST_TRAIN, MNIST_TEST)), MNIST_TEST
         else:
             data_dir, test_rows = args.data_dir.resolve(), args.test_rows
-        failed = False
-        for i, (script, source) in enumerate(sources):
-            kind = launch_kind(source)
-            print(f"{script} ({kind}):", flush=True)
-            for guarantee, held, seen in check(script.resolve(), kind, ["--data-dir", data_dir], test_rows,
-                                               work / f"{i}-{script.stem}", args.only):
+        failed, pool = False, ThreadPoolExecutor(AT_ONCE)  # every script's runs queued at once, AT_ONCE at a time
+        pending = [check(script.resolve(), launch_kind(source), ["--data-dir", data_dir], test_rows,
+                         work / f"{i}-{script.stem}", args.only, pool) for i, (script, source) in enumerate(sources)]
+        for (script, source), verdicts in zip(sources, pending):
+            print(f"{script} ({launch_kind(source)}):", flush=True)
+            for guarantee, held, seen in verdicts():
                 print(f"  {({True: 'holds ', False: 'BROKEN', None: 'n/a   '})[held]}  {guarantee}: {seen}",
                       flush=True)
                 failed |= held is False
