@@ -247,7 +247,7 @@ def write_record(path, args, world, epochs):  # what only the run knows; bench/ 
     chips, last, group = getattr(world, "devices", [world.device]), epochs[-1], world.world_size
     sums = {k: sum(e[k] for e in epochs) for k in ["steps", "steady_samples", "steady_time_s"]}
     record = dict(
-        schema=1, device_type=world.device.type, world_size=group * len(chips), **sums,
+        schema=1, device_type=world.device.type, world_size=group * len(chips), **sums, lr=args.lr,
         device_names=[torch.cuda.get_device_name(d) if d.type == "cuda" else d.type for d in chips],
         nodes=getattr(world, "nodes", group // int(os.environ.get("LOCAL_WORLD_SIZE", group))),
         backend=torch.distributed.get_backend() if torch.distributed.is_initialized() else None,

@@ -14,7 +14,6 @@ from bench import REPO  # noqa: F401 (the table's users take it from here too)
 COMMON_FLAGS = ("--data-dir", "--synthetic", "--epochs", "--batch-size", "--test-batch-size", "--lr", "--seed",
                 "--max-steps", "--log-interval", "--cpu", "--threads", "--no-dropout", "--metrics-json",
                 "--save-model")
-LR = 1.0  # --lr's default in every script: the record of a run without --lr says it
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta, timezone
 from bench import plan
 from bench.checks import advice, busy, gpu_usage
 from bench.commands import as_typed, commands
-from bench.family import LR, MODES
+from bench.family import MODES
 from bench.outputs import read_json, write_json
 from bench.processes import log_tail, run_processes
 from bench.runs_csv import RECORD_COLUMNS, write_runs
@@ -26,8 +26,7 @@ def time_to_target(record, target):
 
 def completed(record, run, settings, argv):
     """The run's record with what the harness's command says: a script writes only what the run knows."""
-    lr = float(argv[argv.index("--lr") + 1]) if "--lr" in argv else LR
-    return {**record, "script": MODES[run.mode].script, "mode": run.mode, "lr": lr, "epochs": settings.epochs,
+    return {**record, "script": MODES[run.mode].script, "mode": run.mode, "epochs": settings.epochs,
             "per_device_batch": run.per_device_batch, "synthetic": settings.synthetic, "argv": argv,
             "torch_version": importlib.metadata.version("torch")}
 

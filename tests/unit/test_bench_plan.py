@@ -383,9 +383,8 @@ def test_every_script_accepts_the_commands_the_harness_gives_it(settings, tmp_pa
 
 
 def test_the_harness_completes_each_record_with_what_the_script_would_have_written(tmp_path):
-    """A script writes what only the run knows; the sweep adds the rest from its command. Each script's own
-    parser, given that command, must agree with what the sweep writes: its lr (the default when no --lr), batch
-    and epochs."""
+    """A script writes what only the run knows, its lr among them; the sweep adds the rest from its command. Each
+    script's own parser, given that command, must agree with what the sweep writes: its batch and epochs."""
     settings = dataclasses.replace(gpu_settings([]), max_n=2, synthetic=True, epoch_images=6 * 64)
     runs, _ = plan.plan(settings, MODES, [("base", [])], repeats=1)
     for run in runs:
@@ -394,11 +393,10 @@ def test_the_harness_completes_each_record_with_what_the_script_would_have_writt
             args = load_script(script).parse_args(argv[argv.index(script) + 1:])
             record = sweep.completed({"samples_per_s": 1.0}, run, settings, argv)
             assert (record["script"], record["mode"]) == (MODES[run.mode].script, run.mode)
-            assert (record["lr"], record["epochs"], record["synthetic"]) == (args.lr, args.epochs, args.synthetic)
+            assert (record["epochs"], record["synthetic"]) == (args.epochs, args.synthetic)
             assert record["per_device_batch"] == run.per_device_batch and record["argv"] == argv
             assert record["samples_per_s"] == 1.0 and record["torch_version"]  # the run's own keys kept
-    with_lr = argv + ["--lr", "0.5"]
-    assert sweep.completed({}, run, settings, with_lr)["lr"] == 0.5
+    assert sweep.completed({"lr": 0.5}, run, settings, argv + ["--lr", "0.5"])["lr"] == 0.5  # the run's own
 
 
 def test_a_fresh_clone_sweeps_beside_the_results_it_ships(tmp_path, monkeypatch, capsys):
