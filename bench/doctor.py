@@ -20,6 +20,7 @@ import concurrent.futures
 import contextlib
 import importlib.metadata
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -170,7 +171,18 @@ def versions(env):
              f"driver {env.get('nvidia_driver_version') or 'n/a'}",
              f"NCCL {env.get('nccl_version') or 'n/a (no CUDA here)'}",
              f"Python {env.get('python_version', '').split()[0]}", f"{env.get('os')}"]
+    with open(os.path.join(REPO, "requirements.txt")) as f:  # the suite's oldest torch
+        floor = re.search(r"^torch>=([\d.]+)", f.read(), re.M)
+    have = release(env.get("torch_version") or "")
+    if floor and have and have < release(floor.group(1)):  # 2.11's pipelining, say, refused what 10 once did
+        return row("versions", "warn", ", ".join(found), f"the suite needs torch {floor.group(1)} or newer, and "
+                   "older releases fail in places: pip install -r requirements.txt")
     return row("versions", "ok", ", ".join(found))
+
+
+def release(version):
+    """(major, minor) of a version such as 2.11.0+cu130."""
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
 
 
 def topology(ids, env):

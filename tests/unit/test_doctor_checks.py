@@ -96,6 +96,16 @@ def test_where_nvidia_smi_cannot_tell_the_capability_the_doctor_claims_nothing(t
     assert devices_row(tmp_path, V100_AND_H200[:1], "2.15.0+cu128")["status"] == "ok"
 
 
+@pytest.mark.parametrize("torch_version, status", [("2.11.0+cu130", "warn"), ("2.12.1", "warn"),
+                                                    ("2.13.0+cpu", "ok"), ("2.14.1+cu130", "ok"), ("2.15.0", "ok")])
+def test_a_torch_older_than_the_requirements_floor_is_a_warning(torch_version, status):
+    """A lent H200 had torch 2.11, below requirements.txt's 2.13, and the doctor said ok: there 10 stopped at its
+    first step. The floor is read from requirements.txt, so raising it there raises it here."""
+    said = doctor.versions(dict(torch_version=torch_version, torchvision_version="0.29.1", python_version="3.11.7"))
+    assert said["status"] == status, said
+    assert ("pip install -r requirements.txt" in said["todo"]) == (status == "warn"), said
+
+
 # ---- the cause and the fix of a failure's text
 
 # Texts as torch 2.14.1 printed them on this machine (reproduced), or built from the format strings in its
