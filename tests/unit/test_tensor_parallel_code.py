@@ -16,19 +16,21 @@ def test_09_keeps_08s_definitions_except_where_every_rank_shares_the_batch():
         assert tensor_parallel[name] == fsdp[name], f"09's {name} differs from 08's"
 
 
-@pytest.mark.parametrize("second", ["passes", "aborts again", "fails otherwise"])
-def test_a_run_that_torch_aborts_at_exit_runs_once_more_and_only_once(second, tmp_path):
-    """helpers.run reruns a checked run that ended in torch's exit abort (helpers.EXIT_ABORT) once: a second
-    abort, or any other failure, still fails the test."""
-    from helpers import EXIT_ABORT, run
-    flag = tmp_path / "ran"
-    again = {"passes": "sys.exit(0)", "aborts again": f"sys.stderr.write({EXIT_ABORT!r}); sys.exit(1)",
-             "fails otherwise": "sys.exit(3)"}[second]
-    code = (f"import os, sys\nif not os.path.exists({str(flag)!r}):\n    open({str(flag)!r}, 'w').close()\n"
-            f"    sys.stderr.write({EXIT_ABORT!r}); sys.exit(1)\n{again}\n")
+@pytest.mark.parametrize("last", ["passes", "aborts again", "fails otherwise"])
+def test_a_run_that_torch_aborts_at_exit_runs_again_at_most_twice(last, tmp_path):
+    """helpers.run reruns a checked run that ended in torch's exit abort (helpers.EXIT_ABORT), AGAIN (2) times at
+    most: a third abort, or any other failure, still fails the test."""
+    from helpers import AGAIN, EXIT_ABORT, run
+    count = tmp_path / "runs"
+    last_run = {"passes": "sys.exit(0)", "aborts again": f"sys.stderr.write({EXIT_ABORT!r}); sys.exit(1)",
+                "fails otherwise": "sys.exit(3)"}[last]
+    code = (f"import sys\nwith open({str(count)!r}, 'a') as f:\n    f.write('.')\n"
+            f"if len(open({str(count)!r}).read()) <= {AGAIN}:\n    sys.stderr.write({EXIT_ABORT!r}); sys.exit(1)\n"
+            f"{last_run}\n")
     with pytest.warns(UserWarning, match="aborted a worker at exit"):
-        if second == "passes":
+        if last == "passes":
             assert run([sys.executable, "-c", code], timeout=30).returncode == 0
         else:
             with pytest.raises(AssertionError):
                 run([sys.executable, "-c", code], timeout=30)
+    assert count.read_text() == "." * (AGAIN + 1), "not run again, or run more often than AGAIN times"
