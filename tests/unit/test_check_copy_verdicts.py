@@ -72,3 +72,21 @@ def test_an_update_that_cannot_match_is_not_checked_and_says_what_to_change(line
         return
     held, said = check_copy.check_update(copy, "torchrun", [], tmp_path)  # it would fail if it ran the copy
     assert held is None and said.startswith("not checked: ") and why in said and "compare" in said, said
+
+
+@pytest.mark.parametrize("aborts", [check_copy.AGAIN, check_copy.AGAIN + 1])
+def test_a_run_torch_aborts_at_exit_runs_again_from_an_empty_folder_at_most_again_times(aborts, tmp_path):
+    """torch's exit abort after a good run (06's worked copy, once in a whole-suite run) is not the copy's: the
+    checker runs it again, with none of the aborted attempt's files, AGAIN times at most; then it counts."""
+    count, folder = tmp_path / "count", tmp_path / "run"
+    copy = tmp_path / "copy.py"
+    copy.write_text(f"import os, sys\nif os.path.exists({str(folder / 'leftover')!r}):\n    sys.exit(5)\n"
+                    f"open({str(folder / 'leftover')!r}, 'w').close()\nwith open({str(count)!r}, 'a') as f:\n"
+                    f"    f.write('.')\nif len(open({str(count)!r}).read()) <= {aborts}:\n"
+                    f"    sys.stderr.write({check_copy.EXIT_ABORT!r})\n    sys.exit(1)\n")
+    records, log = check_copy.run(copy, "single", 1, [], folder)
+    assert count.read_text() == "." * min(aborts + 1, check_copy.AGAIN + 1), log
+    if aborts <= check_copy.AGAIN:  # it ran: the hook's record of the last attempt alone
+        assert records is not None and len(records) == 1, log
+    else:
+        assert records is None, log
