@@ -11,6 +11,9 @@ BUSY_MIB = 256  # an idle GPU shows a few MiB (the driver's own); more means a p
 OLDEST_CAPABILITY, LAST_TORCH_FOR_OLDER = (7, 5), (2, 14)
 SHM = "/dev/shm"  # Linux's shared memory; macOS and Windows have none of this name
 SHM_LOW_BYTES = 1 << 30  # DataLoader workers and NCCL's transport within a node live in it; docker gives 64 MiB
+# torch's own abort at a worker's exit after a good run (gloo's threads still running): seen in 06, 08, 09 and 11.
+# The tests and the copy checker run such a run again, EXIT_ABORT_AGAIN times at most.
+EXIT_ABORT, EXIT_ABORT_AGAIN = "terminate called without an active exception", 2
 DEFAULT_PORT = 29500  # torchrun's, and 04's and 05's --master-port unless MASTER_PORT is set
 
 # (texts any of which names the failure, its likely cause and fix), most specific first: the first match counts.

@@ -19,6 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the bench package, from the repository root
 from bench import plan  # noqa: E402  (the harness's Settings, for the tests' own)
+from bench.checks import EXIT_ABORT, EXIT_ABORT_AGAIN  # noqa: E402  (torch's abort at a worker's exit)
 from bench.fake_mnist import write_fake_mnist  # noqa: E402,F401  (a learnable MNIST in torchvision's raw layout)
 from bench.machine import free_port  # noqa: E402  (the harness's, for the tests' own jobs)
 from bench.family import MODES, by_script, load_script  # noqa: E402,F401  (the family table; a script as a module)
@@ -200,12 +201,10 @@ def without_linux_only(tmp_path, root=ROOT):
     return dict(PYTHONPATH=path, HIDDEN_FROM=str(root), HIDDEN_LOG=str(log)), log
 
 
-# PyTorch's own abort at a worker's exit, after it finished: a DTensor script's process group outlives
-# destroy_process_group (DTensor's caches keep its mesh, so gloo's threads still run at exit). Seen twice on
-# CI (09), and in whole-suite runs on the dev VM (08: once twice in a row, in about 1 of 20 runs alone). A checked
-# run that ends so runs again, with a warning, at most AGAIN times.
-EXIT_ABORT = "terminate called without an active exception"
-AGAIN = 2
+# PyTorch's own abort at a worker's exit, after it finished (bench.checks.EXIT_ABORT). Seen twice on CI (09), and
+# in whole-suite runs on the dev VM (08: once twice in a row; 06's worked copy). A checked run that ends so runs
+# again, with a warning, at most AGAIN times.
+AGAIN = EXIT_ABORT_AGAIN
 
 
 def run(command, timeout=180, env=None, check=True, on_again=None, _again=AGAIN, **popen):

@@ -27,6 +27,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the bench package, from the repository root
+from bench.checks import EXIT_ABORT, EXIT_ABORT_AGAIN  # noqa: E402
 from bench.commands import launch  # noqa: E402
 from bench.fake_mnist import write_fake_mnist  # noqa: E402
 from bench.family import MODES  # noqa: E402
@@ -37,9 +38,7 @@ HOOK = Path(__file__).resolve().parent / "copy_hook"
 BATCH, STEPS, TEST_BATCH = 8, 4, 64  # 4 steps a rank an epoch, 2 epochs
 MNIST_TRAIN, MNIST_TEST = 960, 250  # 250 test rows: 3 ranks cannot split them evenly, so padding shows
 TIMEOUT_S = 600
-# torch 2.14's own abort at a worker's exit, after a good run (gloo's threads at exit): seen in 06's worked copy
-EXIT_ABORT = "terminate called without an active exception"
-AGAIN = 2  # runs again after such an abort
+AGAIN = EXIT_ABORT_AGAIN  # runs again after torch's abort at a worker's exit (EXIT_ABORT), not the copy's
 AT_ONCE = 2  # runs at a time: a short run waits mostly on its start-up, so two share 2 cores well
 SHARDS = "each rank's training shard disjoint from the others' and reshuffled every epoch"
 ROWS = "every test row scored once"
@@ -285,10 +284,11 @@ def main(argv=None):
         else:
             data_dir, test_rows = args.data_dir.resolve(), args.test_rows
         failed, pool = False, ThreadPoolExecutor(AT_ONCE)  # every script's runs queued at once, AT_ONCE at a time
-        pending = [check(script.resolve(), launch_kind(source), ["--data-dir", data_dir], test_rows,
-                         work / f"{i}-{script.stem}", args.only, pool) for i, (script, source) in enumerate(sources)]
-        for (script, source), verdicts in zip(sources, pending):
-            print(f"{script} ({launch_kind(source)}):", flush=True)
+        kinds = [launch_kind(source) for _, source in sources]
+        pending = [check(script.resolve(), kind, ["--data-dir", data_dir], test_rows, work / f"{i}-{script.stem}",
+                         args.only, pool) for i, ((script, _), kind) in enumerate(zip(sources, kinds))]
+        for (script, source), kind, verdicts in zip(sources, kinds, pending):
+            print(f"{script} ({kind}):", flush=True)
             for guarantee, held, seen in verdicts():
                 print(f"  {({True: 'holds ', False: 'BROKEN', None: 'n/a   '})[held]}  {guarantee}: {seen}",
                       flush=True)

@@ -111,8 +111,9 @@ def train_at_once(scripts, tmp, timeout):
         args = ["--synthetic", "--max-steps", 4, "--log-interval", 0, "--no-dropout", "--batch-size",
                 mode.batch.loader_batch(per_device, n), "--metrics-json", out[script] / "m.json",
                 "--save-model", out[script] / "model.pt"] + ["--snapshot", out[script] / "snapshot.pt"] * mode.snapshot
-        envs = [{**GPUS, **(two_ranks_on_one_gpu(rank) if script in TWO_RANKS else {})} for rank, _ in enumerate(argvs)]
-        started[script] = (n, [start(argv + [str(a) for a in args], env=env) for argv, env in zip(argvs, envs)])
+        started[script] = (n, [start(argv + [str(a) for a in args],
+                                     env={**GPUS, **(two_ranks_on_one_gpu(rank) if script in TWO_RANKS else {})})
+                               for rank, argv in enumerate(argvs)])
     processes = [p for _, group in started.values() for p in group]
     began, deadline = time.monotonic(), time.monotonic() + timeout
     pool = ThreadPoolExecutor(len(processes))  # a reader each: no run may stall on a full pipe
