@@ -17,63 +17,55 @@ EXIT_ABORT, EXIT_ABORT_AGAIN = "terminate called without an active exception", 2
 DEFAULT_PORT = 29500  # torchrun's, and 04's and 05's --master-port unless MASTER_PORT is set
 
 # (texts any of which names the failure, its likely cause and fix), most specific first: the first match counts.
-# The texts are torch 2.14.1's, gloo's and NCCL 2.30.7's (their libraries' strings), except where marked. Torch 2.15
-# words two of them anew: NCCL without a GPU (marked below) and the watchdog's timeout, which "timed out" names.
+# The texts are torch 2.14.1's, gloo's and NCCL 2.30.7's, except where marked. Torch 2.15 words two anew: NCCL
+# without a GPU (marked below) and the watchdog's timeout, which "timed out" names.
 ADVICE = [
     (("unable to find address for", "unable to find interface for", "interface found"),
-     "a network interface that GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME names does not exist or has no address: "
-     "unset them, or set both to one that `ip addr` (Windows: ipconfig) lists, e.g. lo on one machine"),
+     "GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME names an interface that does not exist or has no address: unset "
+     "them, or name one that `ip addr` (Windows: ipconfig) lists, e.g. lo on one machine"),
     (("/dev/shm", "no space left on device", "bus error", "shared memory"),
-     "shared memory (/dev/shm) is too small: docker's default is 64 MiB; start the container with --shm-size=8g "
-     "or --ipc=host (DataLoader workers and NCCL within a node use it)"),
+     "shared memory (/dev/shm) is too small; DataLoader workers and NCCL use it. Docker gives 64 MiB: start the "
+     "container with --shm-size=8g or --ipc=host"),
     (("multiple ranks are using the same gpu", "duplicate gpu detected"),  # the second: NCCL before 2.30's
-     "two ranks use the same GPU: each rank must take its own (cuda:LOCAL_RANK), and CUDA_VISIBLE_DEVICES must list "
-     "at least as many GPUs as processes; to share one GPU on purpose, NCCL 2.30+ takes NCCL_MULTI_RANK_GPU_ENABLE=1, "
-     "and an older NCCL a different NCCL_HOSTID for each rank"),
+     "two ranks use the same GPU: each rank takes cuda:LOCAL_RANK, and CUDA_VISIBLE_DEVICES lists a GPU per process. "
+     "To share one on purpose: NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL 2.30+), else a NCCL_HOSTID per rank"),
     (("mismatched nccl version detected", "nccl version mismatch with remote peer"),
-     "the ranks run different NCCL versions (other torch installs on the nodes, or a system libnccl on one node's "
-     "LD_LIBRARY_PATH): install the same torch on every node (pip install -r requirements.txt)"),
+     "the ranks run different NCCL versions (another torch, or a system libnccl first on LD_LIBRARY_PATH): "
+     "install the same torch on every node (pip install -r requirements.txt)"),
     (("nccl library is too old",),
-     "an older libnccl is loaded instead of the one torch ships (LD_LIBRARY_PATH or a system NCCL comes first): "
-     "take that folder out of LD_LIBRARY_PATH, or pip install --force-reinstall the nvidia-nccl package torch needs"),
+     "an older libnccl comes first on LD_LIBRARY_PATH: take its folder out, or pip install --force-reinstall "
+     "the nvidia-nccl package torch needs"),
     (("p2p is disabled between",),
-     "NCCL finds peer-to-peer disabled between GPUs that are linked (the driver, a VM's IOMMU, or the hardware): "
-     "`nvidia-smi topo -p2p r` shows which pairs; NCCL_IGNORE_DISABLED_P2P=1 goes on over a slower path"),
+     "peer-to-peer is disabled between linked GPUs (driver, a VM's IOMMU, hardware): `nvidia-smi topo -p2p r` shows "
+     "the pairs; NCCL_IGNORE_DISABLED_P2P=1 goes on over a slower path"),
     (("detected mixed local net device counts",),
-     "the nodes see different numbers of network devices: name the same ones on every node (NCCL_SOCKET_IFNAME, "
-     "NCCL_IB_HCA), or accept it with NCCL_IGNORE_NET_MISMATCH=1"),
+     "the nodes see different numbers of network devices: name the same ones on each (NCCL_SOCKET_IFNAME, "
+     "NCCL_IB_HCA), or set NCCL_IGNORE_NET_MISMATCH=1"),
     (("cuda out of memory", "out of memory"),
-     "GPU memory is full: other processes may hold it (nvidia-smi shows them): stop them, choose free GPUs with "
-     "--gpus or CUDA_VISIBLE_DEVICES, or lower the batch"),
+     "GPU memory is full: nvidia-smi shows who holds it. Stop them, choose free GPUs (--gpus), or lower the batch"),
     (("driver on your system is too old",),
-     "the NVIDIA driver is older than the CUDA this torch was built for: update the driver, or install a torch "
-     "built for an older CUDA (pytorch.org/get-started)"),
+     "the NVIDIA driver is older than this torch's CUDA: update the driver, or install a torch for an older CUDA"),
     (("no gpus found", "requires at least one cuda device", "no cuda gpus are available", "not compiled with cuda"),
-     "this torch sees no GPU: a CPU-only torch build, or CUDA_VISIBLE_DEVICES hides them; install a CUDA build "
-     "(pytorch.org/get-started) or run on the CPU with --cpu N"),  # the second: torch 2.15's nccl2
+     "this torch sees no GPU (a CPU-only build, or CUDA_VISIBLE_DEVICES hides them): install a CUDA build "
+     "(pytorch.org/get-started), or run on the CPU with --cpu N"),  # the second: torch 2.15's nccl2
     (("peer access",),
-     "GPU peer-to-peer copies fail on this machine (common in VMs, or with PCIe ACS/IOMMU on): "
-     "retry with NCCL_P2P_DISABLE=1"),
+     "GPU peer-to-peer copies fail here (common in VMs, or with PCIe ACS/IOMMU on): retry with NCCL_P2P_DISABLE=1"),
     (("cuda failure", "unhandled cuda error"),
-     "a CUDA call inside NCCL failed, often peer-to-peer between GPUs: retry with NCCL_P2P_DISABLE=1, and "
-     "NCCL_DEBUG=INFO names the failing call"),
+     "a CUDA call inside NCCL failed, often peer-to-peer: retry with NCCL_P2P_DISABLE=1; NCCL_DEBUG=INFO names it"),
     (("address already in use", "eaddrinuse"),
-     "the port is taken, by another job or a leftover process: choose another --master-port (MASTER_PORT), or "
-     "start torchrun with --standalone"),
+     "the port is taken by another job or a leftover process: choose another --master-port, or torchrun --standalone"),
     (("connection refused", "trying to connect to", "failed to connect"),
      "nothing answers at MASTER_ADDR:MASTER_PORT: rank 0 did not start or died (its log says why), or the address "
      "or port is wrong or firewalled"),
     (("unhandled system error", "remote process exited or there was a network error"),
-     "a system call or the network failed inside NCCL, often /dev/shm too small in a container or the wrong "
-     "network interface: rerun with NCCL_DEBUG=INFO; docker --shm-size=8g; NCCL_SOCKET_IFNAME=<interface>"),
+     "a system call or the network failed inside NCCL, often a small /dev/shm or the wrong interface: rerun with "
+     "NCCL_DEBUG=INFO; docker --shm-size=8g; NCCL_SOCKET_IFNAME=<interface>"),
     (("timed out", "timing out", "socket timeout", "timeout after", "timeout waiting", "operation timeout",
       "no answer within", "killed after"),  # the last two: the harness's own words for a run it had to stop
-     "a peer never arrived or a collective hung: read the other ranks' logs; on GPUs retry with "
-     "NCCL_P2P_DISABLE=1 (peer-to-peer hangs) and NCCL_DEBUG=INFO; across machines set NCCL_SOCKET_IFNAME "
-     "and GLOO_SOCKET_IFNAME to the interface that links them"),
+     "a peer never arrived or a collective hung: read the other ranks' logs. On GPUs retry with NCCL_P2P_DISABLE=1 "
+     "and NCCL_DEBUG=INFO; across machines set NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME to the linking interface"),
     (("nccl warn",),
-     "NCCL warned (the line above says what): rerun with NCCL_DEBUG=INFO to see its transport; "
-     "NCCL_P2P_DISABLE=1 if it is peer-to-peer"),
+     "NCCL warned (the line above says what): NCCL_DEBUG=INFO shows its transport; NCCL_P2P_DISABLE=1 for P2P"),
 ]
 GENERIC_ADVICE = "rerun with NCCL_DEBUG=INFO TORCH_DISTRIBUTED_DEBUG=DETAIL: the log then names the cause"
 

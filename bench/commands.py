@@ -23,9 +23,7 @@ def visible(gpus):
 
 
 def launcher_environment(mode):
-    """What a mode's launcher needs in the environment: on Windows torchrun's own store asks for libuv, which
-    PyTorch for Windows is built without ("use_libuv was requested but PyTorch was built without libuv support";
-    the scripts' env:// store already defaults to the other one there)."""
+    """What a mode's launcher needs: on Windows torchrun's store asks for libuv, which PyTorch there lacks."""
     return {"USE_LIBUV": "0"} if mode.launch.torchrun and os.name == "nt" else {}
 
 

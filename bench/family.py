@@ -1,9 +1,5 @@
-"""The family of scripts, one row each in reading order: all that the rest of the suite knows of a script.
-
-Read by the harness (what it runs and how: plan.py, commands.py, report.py, plots.py), by tools/script_diffs.py
-(each script against its parent, and the marker of its idea) and by the tests (diff budgets, line limits, flags,
-the definitions every script shares). Adding a script is a row here and the script: docs/architecture.md.
-"""
+"""The family of scripts, one row each in reading order: all that the harness, tools/ and the tests know of a
+script. Adding a script is a row here and the script: docs/architecture.md."""
 import dataclasses
 import importlib.util
 import os

@@ -1,8 +1,4 @@
-"""The command-line flags of bench/'s programs: one parser that fails in one line, and every flag type they use.
-
-A bad value is refused as it is read (argparse calls the type), before anything runs: one line on stderr and
-exit 2, never a traceback or a division by zero later on.
-"""
+"""The flags of bench/'s programs: a bad value is refused as it is read, before anything runs, in one line."""
 import argparse
 import math
 import shlex

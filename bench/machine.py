@@ -30,9 +30,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-# A command (nvidia-smi, torch's collect_env in a child) that has not answered in this long is hung: collect_env
-# took 25-69 s on a busy 2-core VM. A caller with a shorter bound of its own (the GPU check's steps) sets
-# BENCH_COMMAND_TIMEOUT_S, so that no such wait outlasts it.
+# A command (nvidia-smi, collect_env) that has not answered in this long is hung. A caller with a shorter bound
+# (a GPU check's step) sets BENCH_COMMAND_TIMEOUT_S, so that no such wait outlasts it.
 COMMAND_TIMEOUT_S = 120
 
 

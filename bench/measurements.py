@@ -11,8 +11,7 @@ from bench.plan import device_counts
 from bench.processes import log_tail, run_processes
 
 LOADER_TIMEOUT_S = 300
-# The collective before the sweep: a few seconds when it works. One that cannot connect costs this, once per n,
-# and the sweep skips the runs that need it instead of waiting for each one's timeout.
+# The collective before the sweep: seconds when it works. One that cannot connect costs this, once per n.
 COLLECTIVE_TIMEOUT_S = 60
 
 
@@ -32,8 +31,7 @@ def run_tool(tool, args, out_dir, name, gpus, timeout):
 
 
 def bound(seconds, settings):
-    """A measurement's bound, or the runs' --timeout where that is shorter: no wait of a sweep outlasts the one its
-    user gave (the GPU check's steps have bounds of their own)."""
+    """A measurement's bound, or the runs' --timeout where shorter: no wait outlasts the one the user gave."""
     return min(seconds, settings.timeout or math.inf)
 
 

@@ -6,9 +6,8 @@ import os
 
 from bench.family import MODES, REPO
 
-# The estimate before a sweep: start-up (imports, data), one evaluation of 10,000 images per epoch, then training at
-# 01's speed, as measured on a quiet 2-core AMD EPYC VM (results/cpu-2core-amd-epyc; n CPU processes share its
-# cores: the same total) and on one H200 (results/1x-nvidia-h200-gpu-check). Other machines differ: see run_plan.
+# The estimate before a sweep: start-up, one evaluation of 10,000 images per epoch, training at 01's speed.
+# Measured on a quiet 2-core VM (results/cpu-2core-amd-epyc) and one H200 (results/1x-nvidia-h200-gpu-check).
 START_S, EVAL_S, SAMPLES_PER_S = dict(cpu=18, gpu=10), dict(cpu=4, gpu=0.2), dict(cpu=850, gpu=25000)
 ESTIMATED_ON = dict(cpu="a quiet 2-core VM", gpu="an H200")  # what the estimate printed assumes
 TIMEOUT_FACTOR, TIMEOUT_SLACK_S = 5, 120  # a run's bound: 5 x its estimate + 2 minutes (CUDA start-up, imports)
@@ -35,7 +34,7 @@ class Settings:
         return not self.gpus
 
     @property
-    def kind(self):  # the keys of the estimate's figures and of Lightning's --accelerator
+    def kind(self):  # the estimate's keys, and Lightning's --accelerator
         return "cpu" if self.cpu else "gpu"
 
     def comparable(self):
@@ -77,11 +76,8 @@ def left_out_at(name, n, settings):
     mode = MODES[name]
     if not mode.runs_with(n, settings.cpu):
         return mode.why
-    if settings.cpu and n == 1 < settings.max_n and mode.collective:
-        # On 01's own cores its n = 1 run shows only the wrapper's cost, and five of them would add about
-        # 8 minutes to the 15 of the default CPU sweep on a 2-core VM.
-        return "a CPU sweep to n > 1 runs the process-group modes at n > 1 only, to stay short; " \
-               "--cpu 1 runs them at n = 1"
+    if settings.cpu and n == 1 < settings.max_n and mode.collective:  # on 01's cores: only the wrapper's cost
+        return "a CPU sweep to n > 1 runs the process-group modes at n > 1 only, to stay short; --cpu 1 runs them"
     return None
 
 
@@ -98,8 +94,7 @@ def plan(settings, modes, variants, repeats):
 
 
 def ideal_speedup(n, shared_cores):
-    """The most n devices can do over 01: the reference of E(n), the limit model, the plots' ideal line and this
-    estimate. n GPUs n x 01; n processes on the cores that 01 used alone 1 x 01 (n x 01 counts cores not there)."""
+    """The most n devices can do over 01: n GPUs n x 01; n processes on the cores 01 had alone, 1 x 01."""
     return 1 if shared_cores else n
 
 
@@ -108,9 +103,8 @@ def global_batch(run):
 
 
 def steps_per_epoch(run, settings):
-    """The scripts' --max-steps of a run (steps per epoch of each rank), 0 for all: epoch_images over the run's
-    global batch, rounded up, so an epoch has the same images at every n, as a whole epoch of MNIST has, and time
-    to target compares like with like."""
+    """The run's --max-steps (0: all): epoch_images over its global batch, rounded up. An epoch then has the same
+    images at every n, and time to target compares like with like."""
     if not settings.epoch_images:
         return 0
     return math.ceil(settings.epoch_images / global_batch(run))
@@ -125,6 +119,5 @@ def estimate_s(run, settings):
 
 
 def timeout_s(run, settings):
-    """--timeout, else a bound from the estimate: generous for a slow first run, yet a run whose collective hangs
-    ends in minutes instead of after NCCL's 10-minute watchdog (or gloo's 30-minute default)."""
+    """--timeout, else a bound from the estimate: a hung collective ends in minutes, not after NCCL's 10."""
     return settings.timeout or TIMEOUT_FACTOR * estimate_s(run, settings) + TIMEOUT_SLACK_S

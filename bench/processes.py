@@ -16,8 +16,8 @@ PEER_GRACE_S = 15  # once one node of 05 has failed, the other would only wait f
 STOP = threading.Event()  # set: the runs under way in other threads stop as after Ctrl-C (the doctor's)
 
 
-# What a launcher or scheduler tells the process it starts. A run inherits none of it: inside a SLURM job or under
-# torchrun, Lightning (07) and torch would take the harness's own job for the run's (07 exits at n >= 2 otherwise).
+# What a launcher or scheduler tells the process it starts. A run inherits none of it: else, inside a SLURM job or
+# under torchrun, Lightning (07) and torch would take the harness's own job for the run's.
 LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_COMM_WORLD_")
 LAUNCHER_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                       "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"}
@@ -78,9 +78,7 @@ def log_tail(paths, lines=15):
 
 
 def processes_mentioning(text):
-    """[(pid, command)] of the processes (not this one) whose command line holds text: `ps` on Linux and macOS;
-    Windows has no `ps`, so there the check finds nothing (tasklist cannot show command lines). ww: whole command
-    lines; without it ps cuts them at $COLUMNS characters where that is set (80 in a pytest run), and misses paths."""
-    listed = output_of(["ps", "-axww", "-o", "pid=,args="]) or ""
+    """[(pid, command)] of the other processes whose command line holds text; none on Windows, which has no `ps`."""
+    listed = output_of(["ps", "-axww", "-o", "pid=,args="]) or ""  # ww: whole lines, not cut at $COLUMNS
     rows = [line.strip().split(None, 1) for line in listed.splitlines() if text in line]
     return [(int(pid), command) for pid, command in rows if int(pid) != os.getpid()]

@@ -17,14 +17,15 @@ BLOCKS = dict(re.findall(r"^<!-- (\w+) -->\n(.*?)\n*(?=^<!-- |\Z)",
 KEYS = ["variant", "per_device_batch", "mode", "n"]
 FIRSTS = ["world_size", "nodes", "global_batch", "loader_batch", "device_type"]
 MEDIANS = ["samples_per_s", "time_to_target_s", "test_accuracy", "test_loss", "peak_memory_bytes", "wall_s"]
-FORMATS = {"speedup": "{:.2f}x".format, "speed_ratio": "{:.2f}x".format, "wall_ratio": "{:.2f}x".format,
-           "bubble": "{:.0%}".format, "efficiency": "{:.1%}".format, "test_accuracy": "{:.2%}".format, "pct_of_limit": "{:.0%}".format,
-           "accuracy_diff": lambda v: f"{100 * v:+.2f} pp", "peak_memory_bytes": lambda v: f"{v / 2**20:.0f} MiB"}
+FORMATS = dict(speedup="{:.2f}x".format, speed_ratio="{:.2f}x".format, wall_ratio="{:.2f}x".format,
+               bubble="{:.0%}".format, efficiency="{:.1%}".format, test_accuracy="{:.2%}".format,
+               pct_of_limit="{:.0%}".format, accuracy_diff=lambda v: f"{100 * v:+.2f} pp",
+               peak_memory_bytes=lambda v: f"{v / 2**20:.0f} MiB")
 SUMMARY_VIEW = dict(variant="variant", mode="mode", n="n", runs="runs", world_size="world size",
                     global_batch="global batch", samples_per_s="samples/s", bubble="pipeline bubble",
-                    speedup="speed-up vs 01",
-                    efficiency="efficiency E(n)", time_to_target_s="time to target (s)", test_accuracy="test accuracy",
-                    peak_memory_bytes="peak memory", held_mib="held per rank (MiB)", wall_s="wall (s)")
+                    speedup="speed-up vs 01", efficiency="efficiency E(n)", time_to_target_s="time to target (s)",
+                    test_accuracy="test accuracy", peak_memory_bytes="peak memory", held_mib="held per rank (MiB)",
+                    wall_s="wall (s)")
 VERSUS_VIEW = dict(variant="variant", per_device_batch="per-GPU batch", mode="mode", n="n",
                    samples_per_s_ref="{} samples/s", samples_per_s="samples/s", speed_ratio="samples/s ratio",
                    wall_s_ref="{} wall (s)", wall_s="wall (s)", wall_ratio="wall-time ratio",
@@ -36,8 +37,7 @@ LIMIT_VIEW = dict(variant="variant", mode="mode", n="n", per_device_batch="B", s
 
 
 def bubble(stages, microbatches):
-    """The share of a pipeline step in which each of p stages waits, while m microbatches fill the pipe and drain
-    it: (p - 1) / (m + p - 1), for GPipe and 1F1B alike (10's record names its m)."""
+    """The share of a pipeline step each of p stages waits while m microbatches fill and drain it: GPipe and 1F1B."""
     return (stages - 1) / (microbatches + stages - 1)
 
 
@@ -56,14 +56,14 @@ def read_and_summarize(out_dir):
 
 
 def with_01(frame, summary):
-    """frame with x01: the samples/s of 01 at n = 1, same variant and per-device batch (NaN where it did not run)."""
+    """frame with x01: 01's samples/s at n = 1, same variant and per-device batch (NaN where it did not run)."""
     x01 = summary[(summary["mode"] == REFERENCE) & (summary["n"] == 1)]
     x01 = x01[["variant", "per_device_batch", "samples_per_s"]].rename(columns={"samples_per_s": "x01"})
     return frame.merge(x01, on=["variant", "per_device_batch"], how="left")
 
 
 def shares_cores(frame):
-    """Per row: whether its n processes share the cores that 01 had to itself (CPU runs: cores // n threads each)."""
+    """Per row: whether its n processes share the cores 01 had to itself (CPU runs)."""
     return frame["device_type"] == "cpu"
 
 
@@ -104,7 +104,7 @@ def limit_model(summary, allreduce_s):
                      if not mode.reference and not mode.batch.shared and mode.batch.shared_by == 1]
     rows = with_01(summary[summary["mode"].isin(data_parallel)], summary).dropna(subset=["x01"])
     per_device_batch, n = rows["per_device_batch"], rows["n"]
-    t1 = n * per_device_batch / (ideal_speedups(rows) * rows["x01"])  # B / X(01) on GPUs, n B / X(01) on shared cores
+    t1 = n * per_device_batch / (ideal_speedups(rows) * rows["x01"])  # B / X(01) on GPUs, n B / X(01) on the CPU
     t_ar = n.map(lambda k: 0.0 if k == 1 else allreduce_s.get(k, math.nan))  # NaN: not measured, no limit
     rows["t1_ms"], rows["t_ar_ms"] = 1e3 * t1, 1e3 * t_ar
     rows["x_serial"] = n * per_device_batch / (t1 + t_ar)
@@ -208,8 +208,8 @@ def write_report(out_dir, runs, summary, env, settings, left_out, plots):
     images = [BLOCKS["plot"].format(name=name, title=title) for name, title in plots]
     failed = [BLOCKS["failed_run"].format(**{**row, "log_tail": str(row["log_tail"]).strip()})
               for _, row in runs[runs["status"] != "ok"].iterrows()]
-    entries = [f"- {k}: {v}" for k, v in env.items() if v not in (None, "") and len(str(v)) < 100
-               and "\n" not in str(v) and not isinstance(v, (dict, list))]  # the short ones: versions, settings...
+    entries = [f"- {k}: {v}" for k, v in env.items()  # the short ones: versions, settings...
+               if v not in (None, "") and len(str(v)) < 100 and "\n" not in str(v) and not isinstance(v, (dict, list))]
     busy = [f"- {row['run_id']}: {row['busy_before']}" for _, row in runs.iterrows()
             if isinstance(row.get("busy_before"), str) and row["busy_before"]]
     blocks += [BLOCKS["plots"].format(images="\n\n".join(images))]

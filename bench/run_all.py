@@ -22,19 +22,18 @@ import tempfile
 
 if not __package__:  # `python bench/run_all.py`: the package is importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench import machine, measurements, plan, runs_csv, sweep  # noqa: E402
+from bench import machine, measurements, plan, sweep  # noqa: E402
 from bench.commands import as_typed, commands, repo_relative  # noqa: E402
 from bench.fake_mnist import missing_mnist_files  # noqa: E402
 from bench.flags import (CPU_PROCESSES, BadArgument, Parser, add_devices, chosen_gpus,  # noqa: E402
                          in_range, in_range_list, mode_list, variant)
-from bench.outputs import read_json, write_json  # noqa: E402
+from bench.outputs import read_json, read_runs, write_json, write_runs  # noqa: E402
 from bench.processes import processes_mentioning  # noqa: E402
 from bench.family import MODES, REPO  # noqa: E402
 
 RESULTS = os.path.join(REPO, "results")  # each machine's sweeps: results/<label>, then <label>-2, -3...
 
-# On the CPU 3 short epochs of 19,200 images (300 steps of 64 at n = 1, 150 of 2 x 64 at n = 2): on real MNIST every
-# mode passes 98% by the 2nd or 3rd (01 97.6 / 98.2 / 98.5%, DDP 97.1 / 98.1 / 98.4%): time to target has a point.
+# On the CPU 3 short epochs of 19,200 images: every mode passes 98% on real MNIST by the 2nd or 3rd.
 DEFAULTS = dict(gpu=dict(epochs=3, epoch_images=0), cpu=dict(epochs=3, epoch_images=19200, processes=CPU_PROCESSES))
 
 
@@ -117,22 +116,20 @@ def earlier_runs(out_dir, settings, earlier_settings):
     diff = sorted(k for k, v in settings.comparable().items() if earlier_settings.get(k) != v)
     if diff:
         raise BadArgument(f"cannot --resume {out_dir}: it was run with other settings ({', '.join(diff)})")
-    return {r["run_id"]: r for r in runs_csv.read_runs(out_dir) if r["status"] == "ok"}
+    return {r["run_id"]: r for r in read_runs(out_dir) if r["status"] == "ok"}
 
 
 def download_mnist(data_dir, allowed):
     """Real MNIST must be there before the sweep: one download here rather than one in every run."""
     raw = os.path.join(data_dir, "MNIST", "raw")
-    if not allowed:
-        raise BadArgument(f"MNIST is not in {raw} (--no-download): put the four idx files there or use --synthetic")
-    print(f"MNIST is not in {raw}: downloading it once before the sweep", flush=True)
-    try:
-        from torchvision import datasets
-        for train in (True, False):
-            datasets.MNIST(os.path.join(REPO, data_dir), train=train, download=True)
-    except Exception as e:
-        raise BadArgument(f"MNIST is not in {raw} and could not be downloaded ({type(e).__name__}); put the four idx "
-                          "files there or use --synthetic for throughput only")
+    if allowed:
+        print(f"MNIST is not in {raw}: downloading it once before the sweep", flush=True)
+        try:
+            from torchvision import datasets
+            return [datasets.MNIST(os.path.join(REPO, data_dir), train=train, download=True) for train in (1, 0)]
+        except Exception as e:
+            raw += f" and could not be downloaded ({type(e).__name__})"
+    raise BadArgument(f"MNIST is not in {raw}: put the four idx files there, or use --synthetic for throughput only")
 
 
 def print_plan(runs, done, settings, left_out, out_dir):
@@ -201,7 +198,7 @@ def main(argv=None):
             env["allreduce"] = measurements.measure_allreduce(settings, out_dir)
         write_json(os.path.join(out_dir, "env.json"), env)
         broken = measurements.failed_collectives(env["allreduce"])
-        runs_csv.write_runs(out_dir, sweep.run_plan(runs, done, settings, out_dir, broken))
+        write_runs(out_dir, sweep.run_plan(runs, done, settings, out_dir, broken))
         frame = write_report(out_dir, env, settings, left_out)
     except KeyboardInterrupt:
         print(f"\ninterrupted: the finished runs are in {out_dir}/runs.csv; add --resume to continue", file=sys.stderr)
@@ -209,7 +206,7 @@ def main(argv=None):
         # the others named as not run. A second Ctrl-C gives that up.
         if os.path.exists(os.path.join(out_dir, "runs.csv")) and os.path.exists(os.path.join(out_dir, "env.json")):
             with contextlib.suppress(KeyboardInterrupt):
-                finished = {r["run_id"] for r in runs_csv.read_runs(out_dir)}
+                finished = {r["run_id"] for r in read_runs(out_dir)}
                 not_run = [f"{r.run_id} (not run: the sweep was interrupted; --resume runs it)" for r in runs
                            if r.run_id not in finished]
                 write_report(out_dir, read_json(os.path.join(out_dir, "env.json")), settings, left_out + not_run)

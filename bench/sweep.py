@@ -13,9 +13,8 @@ from bench import plan
 from bench.checks import advice, busy, gpu_usage
 from bench.commands import as_typed, commands
 from bench.family import MODES
-from bench.outputs import read_json, write_json
+from bench.outputs import RECORD_COLUMNS, read_json, write_json, write_runs
 from bench.processes import log_tail, run_processes
-from bench.runs_csv import RECORD_COLUMNS, write_runs
 
 def time_to_target(record, target):
     """Training seconds (evaluation left out) until an epoch's test accuracy reaches the target, else None."""

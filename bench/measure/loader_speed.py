@@ -46,8 +46,8 @@ def main(argv=None):
     speeds = [loader_pass(m01, training, e, device, warmup) for e in range(1, args.passes + 1)]
     result = dict(loader_samples_per_s=statistics.median(speeds), loader_passes_samples_per_s=speeds,
                   required_ratio=REQUIRED_RATIO, device=str(device), threads=m01.torch.get_num_threads(),
-                  batch_size=a.batch_size, train_samples=steps * a.batch_size, warmup_batches=warmup, synthetic=a.synthetic,
-                  argv=sys.argv)
+                  batch_size=a.batch_size, train_samples=steps * a.batch_size, warmup_batches=warmup,
+                  synthetic=a.synthetic, argv=sys.argv)
     print(f"loader alone: {result['loader_samples_per_s']:,.0f} samples/s on {device} (batch {a.batch_size}, median "
           f"of {args.passes} epochs); the suite needs at least {REQUIRED_RATIO} x 01's samples/s", flush=True)
     if args.json:

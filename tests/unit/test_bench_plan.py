@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from helpers import MODES, ROOT, TORCHRUN, gpu_settings, has_marker, load_script, read_runs, script_command, slack
-from bench import doctor, flags, plan, plots, processes, report, run_all, runs_csv, sweep
+from bench import doctor, flags, outputs, plan, plots, processes, report, run_all, sweep
 from bench.commands import commands
 from bench.processes import run_processes
 
@@ -153,7 +153,7 @@ def test_efficiency_compares_each_batch_with_01_at_the_same_batch():
     rows = [(64, "single", 1, 1000), (64, "ddp_launch", 2, 1500),
             (512, "single", 1, 4000), (512, "ddp_launch", 2, 8000)]
     runs = pd.DataFrame([dict(variant="base", per_device_batch=b, mode=m, n=n, samples_per_s=float(x), status="ok")
-                         for b, m, n, x in rows]).reindex(columns=runs_csv.COLUMNS)
+                         for b, m, n, x in rows]).reindex(columns=outputs.COLUMNS)
     summary = report.summarize(runs).set_index(["per_device_batch", "mode"])
     assert summary.loc[(64, "ddp_launch"), "efficiency"] == pytest.approx(0.75)
     assert summary.loc[(512, "ddp_launch"), "efficiency"] == pytest.approx(1.0)
@@ -164,7 +164,7 @@ def one_01_and_ddp_at_2(device_type):
     rows = [("single", 1, 2316.0), ("ddp_launch", 2, 2388.0)]
     runs = pd.DataFrame([dict(variant="base", per_device_batch=64, mode=m, n=n, samples_per_s=x, status="ok",
                               device_type=device_type) for m, n, x in rows])
-    return report.summarize(runs.reindex(columns=runs_csv.COLUMNS)).set_index("mode")
+    return report.summarize(runs.reindex(columns=outputs.COLUMNS)).set_index("mode")
 
 
 def test_on_the_cpu_efficiency_compares_with_01_on_the_same_shared_cores():
@@ -207,7 +207,7 @@ def test_the_report_says_what_e_n_is_where_ranks_share_a_batch_and_leaves_them_o
     rows = [("single", 1, 1000.0), ("ddp_launch", 4, 3000.0), ("tensor_parallel", 4, 1500.0), ("fsdp_tp", 4, 2500.0)]
     runs = pd.DataFrame([dict(variant="base", per_device_batch=64, mode=m, n=n, samples_per_s=x, status="ok",
                               device_type="cuda") for m, n, x in rows])
-    summary = report.summarize(runs.reindex(columns=runs_csv.COLUMNS)).assign(held_mib=float("nan"))
+    summary = report.summarize(runs.reindex(columns=outputs.COLUMNS)).assign(held_mib=float("nan"))
     settings = dataclasses.replace(gpu_settings(["0", "1", "2", "3"]), max_n=4)
     text = report.head(dict(hardware="a machine"), summary, settings)
     assert "**09: n ranks, one batch.**" in text
@@ -232,7 +232,7 @@ def test_held_memory_per_rank_is_08s_fullest_rank_in_the_summary_and_memory_png(
         rows.append(dict(run_id=run_id, variant="base", mode=mode, n=n, per_device_batch=32, repeat=1, status="ok",
                          world_size=n, nodes=1, device_type="cuda", samples_per_s=1000.0 * n,
                          metrics_path=f"metrics/{run_id}.json"))
-    runs_csv.write_runs(str(tmp_path), rows)
+    outputs.write_runs(str(tmp_path), rows)
     _, summary = report.read_and_summarize(str(tmp_path))
     by_run = summary.set_index(["mode", "n"])["held_mib"]
     assert by_run[("fsdp", 1)] == 40 and by_run[("fsdp", 2)] == 21 and by_run[("fsdp", 3)] == 14, by_run
@@ -263,7 +263,7 @@ def test_the_report_shows_the_pipeline_bubble_beside_10s_measured_throughput(tmp
         rows.append(dict(run_id=run_id, variant=variant, mode=mode, n=n, per_device_batch=64, repeat=1, status="ok",
                          world_size=n, nodes=1, device_type="cuda", samples_per_s=1000.0 * n + 1,
                          metrics_path=f"metrics/{run_id}.json", command="python x.py"))
-    runs_csv.write_runs(str(tmp_path), rows)
+    outputs.write_runs(str(tmp_path), rows)
     env = dict(hardware="a machine", harness_command="python bench/run_all.py", python=sys.executable)
     frame, summary = report.read_and_summarize(str(tmp_path))
     report.write_report(str(tmp_path), frame, summary, env, gpu_settings(["0", "1"], per_device_batches=[64]), [], [])

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bench import plan, processes, report, runs_csv, sweep
+from bench import outputs, plan, processes, report, sweep
 from bench.commands import repo_relative
 from bench.family import REPO
 from bench.flags import BadArgument
@@ -71,7 +71,7 @@ def test_a_run_on_a_gpu_that_another_process_holds_is_flagged(tmp_path, busy_gpu
         assert ("GPU 0: 30800 MiB in use by pid 4242 python3" in flagged) == (gpu == "0"), (gpu, flagged)
     out = capsys.readouterr().out
     assert out.count("WARNING") == 1 and "pid 4242" in out
-    runs_csv.write_runs(str(tmp_path), rows)
+    outputs.write_runs(str(tmp_path), rows)
     frame, summary = report.read_and_summarize(str(tmp_path))
     env = dict(hardware="1x NVIDIA H200", harness_command="python bench/run_all.py", python=sys.executable)
     report.write_report(str(tmp_path), frame, summary, env, gpu_settings(["0"]), [], [])
