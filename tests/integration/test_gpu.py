@@ -212,7 +212,7 @@ def test_a_training_step_never_waits_for_the_gpu(quick_mnist_dir):
 
 def test_the_captured_step_updates_as_the_eager_one_and_follows_the_scheduler():
     batches = step_forms.synthetic_batches(torch.device("cuda"))
-    check = step_forms.run_check(load_script(), torch.device("cuda"), batches)
+    check = step_forms.check_capture(load_script(), batches)
     assert check["matches"], check
     assert check["before"]["lr"] == 1.0 and check["after"]["lr"] == pytest.approx(0.7)  # StepLR reached the graph
 
@@ -223,7 +223,7 @@ def test_a_learning_rate_baked_into_the_graph_fails_the_check(monkeypatch):
         return torch.optim.Adadelta(model.parameters(), lr=lr, capturable=True)
     monkeypatch.setattr(step_forms, "capturable_adadelta", with_a_float_lr)
     batches = step_forms.synthetic_batches(torch.device("cuda"))
-    check = step_forms.run_check(load_script(), torch.device("cuda"), batches)
+    check = step_forms.check_capture(load_script(), batches)
     assert check["before"]["within_tolerance"] and not check["after"]["within_tolerance"], check
     assert check["after"]["largest_difference"] > 100 * step_forms.ATOL and not check["matches"]
 
