@@ -1,29 +1,24 @@
 """The five plots of a sweep, each readable on its own: hardware in the title, units on the axes, a legend."""
 import os
 
-import matplotlib
+from matplotlib.figure import Figure  # not pyplot: files only, no display or GUI backend
 
-matplotlib.use("Agg")  # files only: works on machines without a display
-import matplotlib.pyplot as plt  # noqa: E402
-
-from bench.outputs import write_atomically  # noqa: E402
-from bench.plan import ideal_speedup  # noqa: E402
-from bench.report import REFERENCE, shares_cores  # noqa: E402
-from bench.family import MODES  # noqa: E402
+from bench.outputs import write_atomically
+from bench.plan import ideal_speedup
+from bench.report import REFERENCE, shares_cores
+from bench.family import MODES
 
 
 def draw(path, summary, column, title, ylabel, hardware, xlabel, bars=False, scale=1, ideal=None, empty=""):
     """column x scale against n, a line (or bars) each labelled "03 ddp_launch", [variant] and [B=...] when several."""
-    label = summary["mode"].map(lambda m: f"{MODES[m].number} {m}")
-    if summary["variant"].nunique() > 1:
-        label = label + " [" + summary["variant"] + "]"
-    if summary["per_device_batch"].nunique() > 1:
-        label = label + " [B=" + summary["per_device_batch"].astype(str) + "]"
+    label = summary["mode"].map(lambda m: f"{MODES[m].number} {m}")  # the script's number first: reading order
+    for key, form in [("variant", " [{}]"), ("per_device_batch", " [B={}]")]:
+        if summary[key].nunique() > 1:
+            label += summary[key].map(form.format)
     table = summary.assign(line=label, y=scale * summary[column]).pivot_table(index="n", columns="line", values="y")
-    table = table.dropna(axis=1, how="all")  # the labels start with the script's number: reading order
     colors = "tab20" if table.shape[1] > 10 else None  # the default cycle repeats after 10 lines
-    fig, ax = plt.subplots(figsize=(8, 5))
-    if table.empty:
+    ax = Figure(figsize=(8, 5)).subplots()
+    if table.empty:  # pivot_table drops the lines without a value
         ax.text(0.5, 0.5, empty, transform=ax.transAxes, ha="center", color="0.4")
     elif bars:  # accuracy and time to target at each n are not lines
         table.plot.bar(ax=ax, rot=0, width=0.8, colormap=colors)
@@ -35,12 +30,10 @@ def draw(path, summary, column, title, ylabel, hardware, xlabel, bars=False, sca
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:  # outside the axes, so that it never hides a bar or a point
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0, fontsize=9)
-    write_atomically(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
-    plt.close(fig)
+    write_atomically(path, lambda tmp: ax.figure.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
 
 
 def write_all(out_dir, summary, hardware, settings):
-    xlabel = "n (processes on the CPU)" if settings.cpu else "n (GPUs)"
     hardware += " - synthetic data" if settings.synthetic else ""
     target = f"{settings.target_acc:.2%}"
     x01 = summary[(summary["mode"] == REFERENCE) & (summary["n"] == 1) & (summary["variant"] == "base")]
@@ -63,6 +56,7 @@ def write_all(out_dir, summary, hardware, settings):
              ("memory.png", "Weights, gradients and optimizer state per rank", "held_mib", "held per rank (MiB)",
               dict(ideal={f"each DDP rank (03): a full copy, as {shards} at n = 1": lambda n: full},
                    empty=f"{shards} did not run"))]
+    xlabel = "n (processes on the CPU)" if settings.cpu else "n (GPUs)"
     for name, title, column, ylabel, options in plots:
         draw(os.path.join(out_dir, name), summary, column, title, ylabel, hardware, xlabel, **options)
     return [(name, title) for name, title, *_ in plots]

@@ -17,10 +17,9 @@ BLOCKS = dict(re.findall(r"^<!-- (\w+) -->\n(.*?)\n*(?=^<!-- |\Z)",
 KEYS = ["variant", "per_device_batch", "mode", "n"]
 FIRSTS = ["world_size", "nodes", "global_batch", "loader_batch", "device_type"]
 MEDIANS = ["samples_per_s", "time_to_target_s", "test_accuracy", "test_loss", "peak_memory_bytes", "wall_s"]
-FORMATS = dict(speedup="{:.2f}x".format, speed_ratio="{:.2f}x".format, wall_ratio="{:.2f}x".format,
-               bubble="{:.0%}".format, efficiency="{:.1%}".format, test_accuracy="{:.2%}".format,
-               pct_of_limit="{:.0%}".format, accuracy_diff=lambda v: f"{100 * v:+.2f} pp",
-               peak_memory_bytes=lambda v: f"{v / 2**20:.0f} MiB")
+FORMATS = dict(dict.fromkeys(["speedup", "speed_ratio", "wall_ratio"], "{:.2f}x".format), bubble="{:.0%}".format,
+               efficiency="{:.1%}".format, test_accuracy="{:.2%}".format, pct_of_limit="{:.0%}".format,
+               accuracy_diff=lambda v: f"{100 * v:+.2f} pp", peak_memory_bytes=lambda v: f"{v / 2**20:.0f} MiB")
 SUMMARY_VIEW = dict(variant="variant", mode="mode", n="n", runs="runs", world_size="world size",
                     global_batch="global batch", samples_per_s="samples/s", bubble="pipeline bubble",
                     speedup="speed-up vs 01", efficiency="efficiency E(n)", time_to_target_s="time to target (s)",
@@ -45,8 +44,7 @@ def read_and_summarize(out_dir):
     runs = pd.read_csv(os.path.join(out_dir, "runs.csv"), keep_default_na=False, na_values=[""])
     records = [read_json(os.path.join(out_dir, path), {}) for path in runs["metrics_path"]]
     lasts = [(r.get("epochs_detail") or [r])[-1] for r in records]
-    held = [last.get("bytes_per_rank") or [math.nan] for last in lasts]
-    runs["held_mib"] = [max(each) / 2**20 for each in held]  # the fullest rank
+    runs["held_mib"] = [max(last.get("bytes_per_rank") or [math.nan]) / 2**20 for last in lasts]  # the fullest rank
     runs["bubble"] = [bubble(r["world_size"], last["microbatches"]) if "microbatches" in last else math.nan
                       for r, last in zip(records, lasts)]  # a pipeline's: one stage a rank
     per_run = runs.groupby(KEYS, as_index=False)[["held_mib", "bubble"]].max()
@@ -57,18 +55,13 @@ def read_and_summarize(out_dir):
 
 def with_01(frame, summary):
     """frame with x01: 01's samples/s at n = 1, same variant and per-device batch (NaN where it did not run)."""
-    x01 = summary[(summary["mode"] == REFERENCE) & (summary["n"] == 1)]
-    x01 = x01[["variant", "per_device_batch", "samples_per_s"]].rename(columns={"samples_per_s": "x01"})
-    return frame.merge(x01, on=["variant", "per_device_batch"], how="left")
+    ones = summary[(summary["mode"] == REFERENCE) & (summary["n"] == 1)].rename(columns={"samples_per_s": "x01"})
+    return frame.merge(ones[["variant", "per_device_batch", "x01"]], on=["variant", "per_device_batch"], how="left")
 
 
 def shares_cores(frame):
     """Per row: whether its n processes share the cores 01 had to itself (CPU runs)."""
     return frame["device_type"] == "cpu"
-
-
-def ideal_speedups(frame):
-    return [ideal_speedup(n, shared) for n, shared in zip(frame["n"], shares_cores(frame))]
 
 
 def summarize(runs):
@@ -77,7 +70,7 @@ def summarize(runs):
     summary = groups[FIRSTS].first().join(groups[MEDIANS].median()).assign(runs=groups.size()).reset_index()
     summary = with_01(summary.reindex(columns=KEYS + ["runs"] + FIRSTS + MEDIANS), summary)
     summary["speedup"] = summary["samples_per_s"] / summary.pop("x01")
-    summary["ideal_speedup"] = ideal_speedups(summary)
+    summary["ideal_speedup"] = list(map(ideal_speedup, summary["n"], shares_cores(summary)))
     summary["efficiency"] = summary["speedup"] / summary["ideal_speedup"]
     return summary.sort_values(["variant", "per_device_batch", "n", "mode"], ignore_index=True,
                                key=lambda c: c.map(list(MODES).index) if c.name == "mode" else c)
@@ -86,10 +79,9 @@ def summarize(runs):
 def versus(summary, chosen, reference, on):
     table = summary[chosen].merge(summary[reference][on + ["samples_per_s", "wall_s", "test_accuracy"]], on=on,
                                   suffixes=("", "_ref"))
-    table["speed_ratio"] = table["samples_per_s"] / table["samples_per_s_ref"]
-    table["wall_ratio"] = table["wall_s"] / table["wall_s_ref"]
-    table["accuracy_diff"] = table["test_accuracy"] - table["test_accuracy_ref"]
-    return table
+    return table.assign(speed_ratio=table["samples_per_s"] / table["samples_per_s_ref"],
+                        wall_ratio=table["wall_s"] / table["wall_s_ref"],
+                        accuracy_diff=table["test_accuracy"] - table["test_accuracy_ref"])
 
 
 def allreduce_seconds(env):
@@ -99,28 +91,23 @@ def allreduce_seconds(env):
 
 
 def limit_model(summary, allreduce_s):
-    """Each multi-device row against its limit (the model is explained in the template's limit block)."""
-    data_parallel = [name for name, mode in MODES.items()
-                     if not mode.reference and not mode.batch.shared and mode.batch.shared_by == 1]
+    """Each data-parallel row against its limit (the template's limit block explains the model)."""
+    data_parallel = [m.name for m in MODES.values() if not (m.reference or m.batch.shared or m.batch.shared_by > 1)]
     rows = with_01(summary[summary["mode"].isin(data_parallel)], summary).dropna(subset=["x01"])
-    per_device_batch, n = rows["per_device_batch"], rows["n"]
-    t1 = n * per_device_batch / (ideal_speedups(rows) * rows["x01"])  # B / X(01) on GPUs, n B / X(01) on the CPU
-    t_ar = n.map(lambda k: 0.0 if k == 1 else allreduce_s.get(k, math.nan))  # NaN: not measured, no limit
-    rows["t1_ms"], rows["t_ar_ms"] = 1e3 * t1, 1e3 * t_ar
-    rows["x_serial"] = n * per_device_batch / (t1 + t_ar)
-    rows["x_overlap"] = n * per_device_batch / pd.concat([t1, t_ar], axis=1).max(axis=1, skipna=False)
-    rows["pct_of_limit"] = rows["samples_per_s"] / rows["x_overlap"]
-    return rows.reset_index(drop=True)
+    step = rows["n"] * rows["per_device_batch"]  # samples a step, all devices
+    t1 = step / (list(map(ideal_speedup, rows["n"], shares_cores(rows))) * rows["x01"])  # on the CPU n B / X(01)
+    t_ar = rows["n"].map(lambda k: 0.0 if k == 1 else allreduce_s.get(k, math.nan))  # NaN: not measured, no limit
+    return rows.assign(t1_ms=1e3 * t1, t_ar_ms=1e3 * t_ar, x_serial=step / (t1 + t_ar),
+                       x_overlap=step / pd.concat([t1, t_ar], axis=1).max(axis=1, skipna=False),
+                       pct_of_limit=lambda r: r["samples_per_s"] / r["x_overlap"]).reset_index(drop=True)
 
 
 def cell(value, column):
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if pd.isna(value):
         return "-"
-    if column in FORMATS:
-        return FORMATS[column](value)
-    if isinstance(value, float):
+    if isinstance(value, float) and column not in FORMATS:
         return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.2f}"
-    return str(value).replace("|", "\\|")
+    return FORMATS.get(column, str)(value).replace("|", "\\|")  # a | would end the cell
 
 
 def markdown(frame, view, hide=()):
@@ -131,33 +118,15 @@ def markdown(frame, view, hide=()):
     return "\n".join(lines)
 
 
-def comparison(block, table, reference, hide, **values):
-    view = {c: h.format(reference) for c, h in VERSUS_VIEW.items()}
-    return [BLOCKS[block].format(table=markdown(table, view, hide), **values)] if len(table) else []
-
-
 def comparisons(summary, settings, hide):
-    blocks = []
-    for name, mode in MODES.items():
-        if mode.versus_parent:
-            parent = summary["mode"] == by_script(mode.parent).name
-            table = versus(summary, summary["mode"] == name, parent, ["variant", "per_device_batch", "n"])
-            blocks += comparison(name, table, mode.parent[:2], hide | {"mode"})
+    tables = [(name, versus(summary, summary["mode"] == name, summary["mode"] == by_script(mode.parent).name,
+                            ["variant", "per_device_batch", "n"]), mode.parent[:2], hide | {"mode"})
+              for name, mode in MODES.items() if mode.versus_parent]
     base = summary["variant"] == "base"
-    table = versus(summary, ~base, base, ["per_device_batch", "mode", "n"])
+    tables.append(("variants", versus(summary, ~base, base, KEYS[1:]), "base", hide - {"variant"}))
     on_synthetic = BLOCKS["variants_on_synthetic"] if settings.synthetic else ""
-    return blocks + comparison("variants", table, "base", hide - {"variant"}, on_synthetic=on_synthetic)
-
-
-def limit_section(summary, env, settings, hide):
-    table = limit_model(summary, allreduce_seconds(env))
-    blocks = [BLOCKS["limit"].format(table=markdown(table, LIMIT_VIEW, hide))]
-    blocks += [BLOCKS["allreduce_missing"].format(n=n, error=f["error"])
-               for n, f in (env.get("allreduce") or {}).items() if f.get("error")]
-    blocks += [BLOCKS[MODES[name].limit_note] for name in table.loc[table["n"] > 1, "mode"].unique()
-               if MODES[name].limit_note]
-    blocks += [BLOCKS["limit_cpu"].format(cores=settings.cores)] if settings.cpu else []
-    return blocks if len(table) else []
+    return [BLOCKS[block].format(table=markdown(table, {c: h.format(ref) for c, h in VERSUS_VIEW.items()}, hidden),
+                                 on_synthetic=on_synthetic) for block, table, ref, hidden in tables if len(table)]
 
 
 def loader_line(env, summary):
@@ -171,25 +140,20 @@ def loader_line(env, summary):
     return BLOCKS["loader"].format(**loader, per_device_batch=per_device_batch, speed=speed, versus_01=versus_01)
 
 
-def batch_rules(summary):
-    """The family table's batch rule and collectives of each mode in the summary, in reading order."""
-    modes = [MODES[name] for name in MODES if name in set(summary["mode"])]
-    return pd.DataFrame([dict(script=m.number, mode=m.name, rule=m.batch.says, exchanged=m.collectives or "nothing")
-                         for m in modes], columns=list(RULES_VIEW))
-
-
 def head(env, summary, settings):
+    ran = [mode for name, mode in MODES.items() if name in set(summary["mode"])]  # in reading order
+    rules = pd.DataFrame([dict(script=m.number, mode=m.name, rule=m.batch.says, exchanged=m.collectives or "nothing")
+                          for m in ran], columns=list(RULES_VIEW))
     reference = BLOCKS["reference_shared_cores" if shares_cores(summary).any() else "reference_gpus"]
-    shared = [name for name in MODES if MODES[name].batch.shared and name in set(summary["mode"])]
-    notes = " ".join(BLOCKS[f"shared_{name}"] for name in shared)
-    scripts = ", ".join(MODES[name].number for name in shared)
-    reference += "\n\n" + BLOCKS["shared_batch"].format(scripts=scripts, notes=notes) if shared else ""
-    groups = [MODES[name].number for name in MODES if MODES[name].batch.shared_by > 1 and name in set(summary["mode"])]
+    shared = [m for m in ran if m.batch.shared]
+    if shared:
+        notes = " ".join(BLOCKS[f"shared_{m.name}"] for m in shared)
+        reference += "\n\n" + BLOCKS["shared_batch"].format(scripts=", ".join(m.number for m in shared), notes=notes)
+    groups = [m.number for m in ran if m.batch.shared_by > 1]
     reference += "\n\n" + BLOCKS["tp_groups"].format(scripts=", ".join(groups)) if groups else ""
     return BLOCKS["head"].format(
         hardware=env["hardware"], devices="processes" if settings.cpu else "GPUs", loader=loader_line(env, summary),
-        reference=reference.format(cores=settings.cores),
-        rules=markdown(batch_rules(summary), RULES_VIEW),
+        reference=reference.format(cores=settings.cores), rules=markdown(rules, RULES_VIEW),
         per_device_batches=", ".join(map(str, settings.per_device_batches)), epochs=settings.epochs,
         images=f"{settings.epoch_images:,}" if settings.epoch_images else "all 60,000",
         test_batch_size=settings.test_batch_size, target_acc=settings.target_acc,
@@ -198,22 +162,30 @@ def head(env, summary, settings):
 
 def write_report(out_dir, runs, summary, env, settings, left_out, plots):
     hide = {c for c in ("variant", "per_device_batch") if summary[c].nunique() <= 1}
-    pipelined = "bubble" in summary and summary["bubble"].notna().any()  # 10's rows: the bubble beside samples/s
-    columns = hide if pipelined else hide | {"bubble"}
+    pipelined = summary["bubble"].notna().any()  # 10's rows: the bubble beside samples/s
     blocks = [head(env, summary, settings)] + [BLOCKS["summary"].format(per_device_batch=b, table=markdown(
-        summary[summary["per_device_batch"] == b], SUMMARY_VIEW, columns)) for b in settings.per_device_batches]
+        summary[summary["per_device_batch"] == b], SUMMARY_VIEW, hide if pipelined else hide | {"bubble"}))
+        for b in settings.per_device_batches]
     blocks += [BLOCKS["pipeline_bubble"]] if pipelined else []
     blocks += [BLOCKS["left_out"].format(left_out="; ".join(left_out))] if left_out else []
-    blocks += comparisons(summary, settings, hide) + limit_section(summary, env, settings, hide)
-    images = [BLOCKS["plot"].format(name=name, title=title) for name, title in plots]
+    blocks += comparisons(summary, settings, hide)
+    limits = limit_model(summary, allreduce_seconds(env))
+    if len(limits):
+        blocks.append(BLOCKS["limit"].format(table=markdown(limits, LIMIT_VIEW, hide)))
+        blocks += [BLOCKS["allreduce_missing"].format(n=n, error=f["error"])
+                   for n, f in (env.get("allreduce") or {}).items() if f.get("error")]
+        blocks += [BLOCKS[MODES[name].limit_note] for name in limits.loc[limits["n"] > 1, "mode"].unique()
+                   if MODES[name].limit_note]
+        blocks += [BLOCKS["limit_cpu"].format(cores=settings.cores)] if settings.cpu else []
+    blocks.append(BLOCKS["plots"].format(images="\n\n".join(BLOCKS["plot"].format(name=name, title=title)
+                                                            for name, title in plots)))
+    busy = [f"- {row['run_id']}: {row['busy_before']}" for _, row in runs.iterrows()
+            if isinstance(row.get("busy_before"), str)]  # NaN where the GPUs were free
+    blocks += [BLOCKS["busy"].format(runs="\n".join(busy))] if busy else []
     failed = [BLOCKS["failed_run"].format(**{**row, "log_tail": str(row["log_tail"]).strip()})
               for _, row in runs[runs["status"] != "ok"].iterrows()]
     entries = [f"- {k}: {v}" for k, v in env.items()  # the short ones: versions, settings...
                if v not in (None, "") and len(str(v)) < 100 and "\n" not in str(v) and not isinstance(v, (dict, list))]
-    busy = [f"- {row['run_id']}: {row['busy_before']}" for _, row in runs.iterrows()
-            if isinstance(row.get("busy_before"), str) and row["busy_before"]]
-    blocks += [BLOCKS["plots"].format(images="\n\n".join(images))]
-    blocks += [BLOCKS["busy"].format(runs="\n".join(busy))] if busy else []
     blocks += [BLOCKS["failed"].format(runs="\n\n".join(failed or [BLOCKS["no_failures"]])),
                BLOCKS["environment"].format(entries="\n".join(entries))]
     blocks += [BLOCKS["topology"].format(**env)] if env.get("nvidia_smi_topo") else []
