@@ -1,31 +1,26 @@
-"""Checks of a machine before multi-GPU runs, for the doctor and the harness (standard library only): GPUs that other
-processes hold, shared memory, ports, network interfaces, and the likely cause and fix of a failure's text."""
+"""Standard-library checks of a machine (GPUs held, /dev/shm, ports, interfaces) and of a failure's cause and fix."""
 import os
 import shutil
 import socket
+from collections import Counter
+from itertools import combinations
 
 from bench.machine import output_of
 
 BUSY_MIB = 256  # an idle GPU shows a few MiB (the driver's own); more means a process holds memory there
-# torch 2.15 (2026-10-28) has no build for GPUs below compute capability 7.5 (V100 and older): 2.14 is their last.
-OLDEST_CAPABILITY, LAST_TORCH_FOR_OLDER = (7, 5), (2, 14)
-SHM = "/dev/shm"  # Linux's shared memory; macOS and Windows have none of this name
+OLDEST_CAPABILITY, LAST_TORCH_FOR_OLDER = (7, 5), (2, 14)  # torch 2.15 has no build below 7.5: V100 and older
 SHM_LOW_BYTES = 1 << 30  # DataLoader workers and NCCL's transport within a node live in it; docker gives 64 MiB
-# torch's own abort at a worker's exit after a good run (gloo's threads still running): seen in 06, 08, 09 and 11.
-# The tests and the copy checker run such a run again, EXIT_ABORT_AGAIN times at most.
+# torch's abort at a worker's exit after a good run (gloo's threads alive), and how often tests and check_copy retry.
 EXIT_ABORT, EXIT_ABORT_AGAIN = "terminate called without an active exception", 2
 DEFAULT_PORT = 29500  # torchrun's, and 04's and 05's --master-port unless MASTER_PORT is set
 
-# (texts any of which names the failure, its likely cause and fix), most specific first: the first match counts.
-# The texts are torch 2.14.1's, gloo's and NCCL 2.30.7's, except where marked. Torch 2.15 words two anew: NCCL
-# without a GPU (marked below) and the watchdog's timeout, which "timed out" names.
+# (texts naming the failure, its cause and fix), most specific first: the first match counts. The tests cite each.
 ADVICE = [
     (("unable to find address for", "unable to find interface for", "interface found"),
      "GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME names an interface that does not exist or has no address: unset "
      "them, or name one that `ip addr` (Windows: ipconfig) lists, e.g. lo on one machine"),
     (("/dev/shm", "no space left on device", "bus error", "shared memory"),
-     "shared memory (/dev/shm) is too small; DataLoader workers and NCCL use it. Docker gives 64 MiB: start the "
-     "container with --shm-size=8g or --ipc=host"),
+     "/dev/shm (DataLoader workers, NCCL) is too small; docker gives 64 MiB: run it with --shm-size=8g or --ipc=host"),
     (("multiple ranks are using the same gpu", "duplicate gpu detected"),  # the second: NCCL before 2.30's
      "two ranks use the same GPU: each rank takes cuda:LOCAL_RANK, and CUDA_VISIBLE_DEVICES lists a GPU per process. "
      "To share one on purpose: NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL 2.30+), else a NCCL_HOSTID per rank"),
@@ -33,8 +28,7 @@ ADVICE = [
      "the ranks run different NCCL versions (another torch, or a system libnccl first on LD_LIBRARY_PATH): "
      "install the same torch on every node (pip install -r requirements.txt)"),
     (("nccl library is too old",),
-     "an older libnccl comes first on LD_LIBRARY_PATH: take its folder out, or pip install --force-reinstall "
-     "the nvidia-nccl package torch needs"),
+     "an older libnccl comes first on LD_LIBRARY_PATH: take its folder out, or reinstall torch's nvidia-nccl package"),
     (("p2p is disabled between",),
      "peer-to-peer is disabled between linked GPUs (driver, a VM's IOMMU, hardware): `nvidia-smi topo -p2p r` shows "
      "the pairs; NCCL_IGNORE_DISABLED_P2P=1 goes on over a slower path"),
@@ -48,10 +42,9 @@ ADVICE = [
     (("no gpus found", "requires at least one cuda device", "no cuda gpus are available", "not compiled with cuda"),
      "this torch sees no GPU (a CPU-only build, or CUDA_VISIBLE_DEVICES hides them): install a CUDA build "
      "(pytorch.org/get-started), or run on the CPU with --cpu N"),  # the second: torch 2.15's nccl2
-    (("peer access",),
-     "GPU peer-to-peer copies fail here (common in VMs, or with PCIe ACS/IOMMU on): retry with NCCL_P2P_DISABLE=1"),
-    (("cuda failure", "unhandled cuda error"),
-     "a CUDA call inside NCCL failed, often peer-to-peer: retry with NCCL_P2P_DISABLE=1; NCCL_DEBUG=INFO names it"),
+    (("peer access", "cuda failure", "unhandled cuda error"),
+     "a CUDA call inside NCCL failed, often a peer-to-peer copy (common in VMs, or with PCIe ACS/IOMMU on): retry "
+     "with NCCL_P2P_DISABLE=1; NCCL_DEBUG=INFO names it"),
     (("address already in use", "eaddrinuse"),
      "the port is taken by another job or a leftover process: choose another --master-port, or torchrun --standalone"),
     (("connection refused", "trying to connect to", "failed to connect"),
@@ -97,31 +90,23 @@ def mib(text):
 
 
 def gpu_usage(ids):
-    """{id: {"memory_used_mib", "processes": [{"pid", "name", "memory_mib"}]}} for the GPUs that ids name as
-    CUDA_VISIBLE_DEVICES does (indices or UUIDs); {} without nvidia-smi. The processes are those nvidia-smi can
-    see: another container's show only in the memory used."""
+    """{id: {"memory_used_mib", "processes": [{"pid", "name", "memory_mib"}]}}, ids as in CUDA_VISIBLE_DEVICES;
+    {} without nvidia-smi. Another container's processes are not listed, only their memory."""
     gpus = csv_rows(["nvidia-smi", "--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits"])
     apps = csv_rows(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid,process_name,used_memory",
                      "--format=csv,noheader,nounits"])
     usage = {}
     for index, uuid, used in (row[:3] for row in gpus if len(row) >= 3):
-        processes = [dict(pid=int(pid), name=os.path.basename(name), memory_mib=mib(memory))
-                     for gpu, pid, name, memory in (row[:4] for row in apps if len(row) >= 4)
-                     if gpu == uuid and pid.isdigit()]
-        for key in (index, uuid):
-            usage[key] = dict(memory_used_mib=mib(used), processes=processes)
+        usage[index] = usage[uuid] = dict(memory_used_mib=mib(used), processes=[
+            dict(pid=int(pid), name=os.path.basename(name), memory_mib=mib(memory))
+            for gpu, pid, name, memory in (row[:4] for row in apps if len(row) >= 4) if gpu == uuid and pid.isdigit()])
     return {i: usage[i] for i in ids if i in usage}
 
 
 def compute_capabilities(ids):
-    """{id: (major, minor)} for the GPUs that ids name as CUDA_VISIBLE_DEVICES does; {} where nvidia-smi cannot tell
-    (missing, or a driver older than R510, which has no compute_cap field)."""
-    found = {}
-    for index, uuid, capability in (row[:3] for row in csv_rows(["nvidia-smi", "--query-gpu=index,uuid,compute_cap",
-                                                                   "--format=csv,noheader"]) if len(row) >= 3):
-        major, _, minor = capability.partition(".")
-        for key in (index, uuid):
-            found[key] = (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None
+    """{id: (major, minor)}, ids as in CUDA_VISIBLE_DEVICES; {} where nvidia-smi cannot tell (missing, before R510)."""
+    rows = csv_rows(["nvidia-smi", "--query-gpu=index,uuid,compute_cap", "--format=csv,noheader"])
+    found = {key: release(row[2]) for row in rows if len(row) >= 3 for key in row[:2]}
     return {i: found[i] for i in ids if found.get(i)}
 
 
@@ -131,12 +116,12 @@ def release(version):
     return tuple(map(int, parts[:2])) if len(parts) >= 2 and all(p.isdigit() for p in parts[:2]) else None
 
 
-def busy(usage, threshold_mib=BUSY_MIB):
+def busy(usage):
     """One line per GPU of gpu_usage() that another process holds: its memory and the processes, if visible."""
     lines = []
     for gpu, use in usage.items():
         held = ", ".join(f"pid {p['pid']} {p['name']} ({p['memory_mib']} MiB)" for p in use["processes"])
-        if use["processes"] or (use["memory_used_mib"] or 0) >= threshold_mib:
+        if use["processes"] or (use["memory_used_mib"] or 0) >= BUSY_MIB:
             lines.append(f"GPU {gpu}: {use['memory_used_mib']} MiB in use" + (f" by {held}" if held else
                                                                               " (by processes not visible here)"))
     return lines
@@ -144,14 +129,14 @@ def busy(usage, threshold_mib=BUSY_MIB):
 
 def shm_free_bytes():
     """Free bytes in /dev/shm, or None where there is none (macOS, Windows)."""
-    return shutil.disk_usage(SHM).free if os.path.isdir(SHM) else None
+    return shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
 
 
-def port_in_use(port, host=""):
-    """Whether a server could not listen on this port now (host "": every interface, as torchrun's store does)."""
+def port_in_use(port):
+    """Whether a server could not listen on this port now, on every interface as torchrun's store does."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
-            s.bind((host, port))
+            s.bind(("", port))
         except OSError:
             return True
     return False
@@ -186,10 +171,5 @@ def links(topo, ids):
     matrix = {line.split()[0]: line.split()[1:] for line in topo.splitlines() if line.startswith("GPU")}
     gpus = [name for name in matrix if name[3:].isdigit()]
     chosen = [f"GPU{i}" for i in ids if f"GPU{i}" in matrix] if all(i.isdigit() for i in ids) else gpus
-    counts = {}
-    for a, first in enumerate(chosen):
-        for second in chosen[a + 1:]:
-            cells = matrix[first]
-            kind = cells[gpus.index(second)] if gpus.index(second) < len(cells) else "?"
-            counts[kind] = counts.get(kind, 0) + 1
-    return counts
+    kinds = [matrix[a][gpus.index(b)] if gpus.index(b) < len(matrix[a]) else "?" for a, b in combinations(chosen, 2)]
+    return dict(Counter(kinds))

@@ -22,11 +22,6 @@ def visible(gpus):
     return {"CUDA_VISIBLE_DEVICES": ",".join(gpus), "CUDA_DEVICE_ORDER": order}
 
 
-def launcher_environment(mode):
-    """What a mode's launcher needs: on Windows torchrun's store asks for libuv, which PyTorch there lacks."""
-    return {"USE_LIBUV": "0"} if mode.launch.torchrun and os.name == "nt" else {}
-
-
 def launch(mode, script_path, n=None, launcher=()):
     """The command up to the script's flags; n None: its default count (torchrun: 1); launcher: torchrun's options."""
     if mode.launch.torchrun:
@@ -43,16 +38,16 @@ def commands(run, settings, metrics_path, snapshot_path):
               "--metrics-json", repo_relative(metrics_path)]
     common += ["--max-steps", steps_per_epoch(run, settings)] if settings.epoch_images else []
     common += ["--synthetic"] if settings.synthetic else ["--data-dir", settings.data_dir]
-    # On the CPU the n processes share the host's cores; the scripts' own rule counts processes per node,
-    # which would give each of 05's two "nodes" on one host twice its share.
+    # On the CPU n processes share the host's cores; the scripts count per node, giving 05's two "nodes" twice that.
     common += ["--cpu", "--threads", max(1, settings.cores // n)] if settings.cpu else []
     common += ["--snapshot", repo_relative(snapshot_path)] if mode.snapshot else []
     common += list(run.flags)
     argv = launch(mode, mode.script, n) + mode.launch.flags(n, settings)
     argv += [mode.launch.port_flag, free_port()] if mode.launch.port_flag else []  # two runs never share one
     nodes = mode.launch.nodes
-    if nodes == 1:
-        return [({**visible(settings.gpus[:n]), **launcher_environment(mode)}, [str(a) for a in argv + common])]
+    if nodes == 1:  # on Windows torchrun's store asks for libuv, which PyTorch there lacks
+        libuv = {"USE_LIBUV": "0"} if mode.launch.torchrun and os.name == "nt" else {}
+        return [({**visible(settings.gpus[:n]), **libuv}, [str(a) for a in argv + common])]
     port, each = free_port(), n // nodes
     return [(visible(settings.gpus[r * each:(r + 1) * each]), [str(a) for a in argv + [
         "-n", nodes, "-g", each, "--nr", r, "--master-addr", "127.0.0.1", "--master-port", port] + common])

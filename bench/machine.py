@@ -3,24 +3,23 @@ import json
 import os
 import platform
 import re
-import shutil
 import socket
 import subprocess
 import sys
 
 # In a child process (the harness never imports torch): torch's report, versions it omits, the TF32/cuDNN settings.
-TORCH_REPORT = """import json, warnings, torch, torchvision, torch.utils.collect_env as collect_env
-warnings.simplefilter("ignore")  # allow_tf32 is deprecated in new releases; its value still applies
-info = collect_env.get_env_info()._asdict()
-info.update(torchvision_version=torchvision.__version__,
-            nccl_version=".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
-            matmul_allow_tf32=torch.backends.cuda.matmul.allow_tf32, cudnn_allow_tf32=torch.backends.cudnn.allow_tf32,
-            cudnn_benchmark=torch.backends.cudnn.benchmark, cudnn_deterministic=torch.backends.cudnn.deterministic,
-            cudnn_version=torch.backends.cudnn.version(), float32_matmul_precision=torch.get_float32_matmul_precision())
-print(json.dumps(info))"""
+TORCH_REPORT = """import json, torch, torchvision, torch.utils.collect_env as collect_env
+from torch.backends import cuda, cudnn
+print(json.dumps(dict(collect_env.get_env_info()._asdict(), torchvision_version=torchvision.__version__,
+      nccl_version=".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+      matmul_allow_tf32=cuda.matmul.allow_tf32, cudnn_allow_tf32=cudnn.allow_tf32, cudnn_benchmark=cudnn.benchmark,
+      cudnn_deterministic=cudnn.deterministic, cudnn_version=cudnn.version(),
+      float32_matmul_precision=torch.get_float32_matmul_precision())))"""
 COUNT_GPUS = "import torch; print(torch.cuda.device_count())"
 BRAND = {"posix": ["sysctl", "-n", "machdep.cpu.brand_string"],  # the CPU's name on macOS, and on Windows:
          "nt": ["powershell", "-NoProfile", "-Command", "(Get-CimInstance Win32_Processor)[0].Name"]}
+# A command (nvidia-smi, collect_env) silent this long is hung; a GPU check's step sets BENCH_COMMAND_TIMEOUT_S lower.
+COMMAND_TIMEOUT_S = 120
 
 
 def free_port():
@@ -30,19 +29,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-# A command (nvidia-smi, collect_env) that has not answered in this long is hung. A caller with a shorter bound
-# (a GPU check's step) sets BENCH_COMMAND_TIMEOUT_S, so that no such wait outlasts it.
-COMMAND_TIMEOUT_S = 120
-
-
 def output_of(argv):
     """stdout of a command, less the escape codes nvidia-smi writes even into a pipe; None if it is missing or fails."""
     timeout = float(os.environ.get("BENCH_COMMAND_TIMEOUT_S") or COMMAND_TIMEOUT_S)
     try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout) if shutil.which(argv[0]) else None
-    except (OSError, subprocess.SubprocessError):
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError):  # missing, not runnable, or hung
         return None
-    return re.sub(r"\x1b\[[0-9;]*m", "", out.stdout).strip() if out and out.returncode == 0 else None
+    return re.sub(r"\x1b\[[0-9;]*m", "", out.stdout).strip() if out.returncode == 0 else None
 
 
 def gpus():

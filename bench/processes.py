@@ -14,10 +14,7 @@ from bench import REPO
 KILL_GRACE_S = 5  # SIGTERM first so that process groups can be destroyed cleanly, then SIGKILL
 PEER_GRACE_S = 15  # once one node of 05 has failed, the other would only wait for its rendezvous timeout
 STOP = threading.Event()  # set: the runs under way in other threads stop as after Ctrl-C (the doctor's)
-
-
-# What a launcher or scheduler tells the process it starts. A run inherits none of it: else, inside a SLURM job or
-# under torchrun, Lightning (07) and torch would take the harness's own job for the run's.
+# Launchers' and schedulers' variables, which no run inherits: else Lightning (07) and torch take the harness's job.
 LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_COMM_WORLD_")
 LAUNCHER_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                       "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"}
@@ -31,8 +28,7 @@ def run_environment(env):
 
 
 def stop(procs, grace=KILL_GRACE_S):
-    """SIGTERM, then SIGKILL grace seconds later, to whole process groups: a torchrun or spawn parent leaves its
-    workers otherwise."""
+    """SIGTERM, then SIGKILL grace seconds later, to whole process groups: else torchrun or spawn leave workers."""
     if os.name == "nt":  # Windows has neither process groups nor SIGKILL: taskkill /T ends a process and its tree
         for p in procs:
             subprocess.run(["taskkill", "/T", "/F", "/PID", str(p.pid)], capture_output=True)
@@ -42,16 +38,13 @@ def stop(procs, grace=KILL_GRACE_S):
             with contextlib.suppress(ProcessLookupError, PermissionError):  # the leader may be gone, not its children
                 os.killpg(p.pid, sig)
         deadline = time.monotonic() + grace
-        while sig == signal.SIGTERM and any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    for p in procs:  # SIGKILL is sent, not done: reap each, so that its exit code is read and it is gone from /proc
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=grace)
+        for p in procs:  # after SIGKILL too, which is sent, not done: reaped, it has an exit code and left /proc
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0, deadline - time.monotonic()))
 
 
 def run_processes(cmds, log_paths, timeout, grace=KILL_GRACE_S):
-    """Run [(environment, argv)] at once, each into its log; (exit code, timed out). Ctrl-C stops them; at any end
-    they get grace seconds between SIGTERM and SIGKILL."""
+    """Run [(environment, argv)] at once, each into its log; (exit code, timed out). Any end, Ctrl-C too, stops them."""
     procs = []
     try:
         for (env, argv), log_path in zip(cmds, log_paths):
