@@ -1,15 +1,14 @@
-"""The family of scripts, one row each in reading order: all that the harness, tools/ and the tests know of a
-script. Adding a script is a row here and the script: docs/architecture.md."""
+"""The family of scripts, one row each in reading order: all the harness, tools/ and tests know of a script.
+Adding a script is a row here and the script: docs/architecture.md."""
 import dataclasses
 import importlib.util
 import os
 
-from bench import REPO  # noqa: F401 (the table's users take it from here too)
+from bench import REPO
 
-# The flags of every script, with the same name, meaning and default (DESIGN.md); a row's flags are its own.
+# Every script's flags, with the same meaning and default (DESIGN.md); a row's flags are its own.
 COMMON_FLAGS = ("--data-dir", "--synthetic", "--epochs", "--batch-size", "--test-batch-size", "--lr", "--seed",
-                "--max-steps", "--log-interval", "--cpu", "--threads", "--no-dropout", "--metrics-json",
-                "--save-model")
+                "--max-steps", "--log-interval", "--cpu", "--threads", "--no-dropout", "--metrics-json", "--save-model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +42,7 @@ class BatchRule:
     shared: bool = False  # every rank trains on the same batch: the global batch is B at every n
     shared_by: int = 1  # groups of this many ranks each train on one batch B: n / shared_by x B in all
 
-    def loader_batch(self, per_device_batch, n):
-        """The run's --batch-size."""
+    def loader_batch(self, per_device_batch, n):  # the run's --batch-size
         return n * per_device_batch if self.one_loader else per_device_batch
 
     def global_batch(self, per_device_batch, n):
@@ -69,13 +67,12 @@ class Mode:
     launch: Launch
     batch: BatchRule = REPLICAS
     flags: tuple = ()  # its own flags, besides COMMON_FLAGS
-    runs_with: object = lambda n, cpu: True  # (n, a CPU sweep) -> whether it runs there; why not, for the report:
-    why: str = ""
+    runs_with: object = lambda n, cpu: True  # (n, a CPU sweep) -> whether it runs there
+    why: str = ""  # why not, for the report
     snapshot: bool = False  # each run gets a --snapshot of its own (deleted after the run)
     needs: str = ""  # a module that must import besides torch
     reference: bool = False  # the sweep's baseline X(01): the 1 of every speed-up and efficiency
-    versus_parent: bool = False  # the report holds its rows against its parent's (a block of report_template.md
-                                 # named after the mode says why)
+    versus_parent: bool = False  # the report sets its rows against its parent's (report_template.md says why)
     limit_note: str = ""  # a block of report_template.md for its rows at n > 1 in the limit model
     sharded: bool = False  # its ranks hold 1/n of the weights: the memory plot's full copy is its run at n = 1
     collectives: str = ""  # what its ranks exchange in a step, for the report
@@ -85,8 +82,7 @@ class Mode:
         return self.script[:2]
 
     @property
-    def collective(self):
-        """Whether its processes meet in a process group: they need the collective the harness checks first."""
+    def collective(self):  # see Launch.group
         return self.launch.group
 
 
@@ -105,9 +101,8 @@ MODES = {mode.name: mode for mode in [
          flags=("--nodes", "--gpus", "--node-rank", "--master-addr", "--master-port"),
          runs_with=lambda n, cpu: n % 2 == 0, why="05 runs as two nodes of n/2 each, so n must be even",
          collectives="as 03, across nodes"),
-    Mode("ddp_fault_tolerant", "06_fault_tolerant.py", "03_ddp_launch.py", "06", 130, 400, TORCHRUN,
-         flags=("--snapshot", "--snapshot-every", "--timeout"), snapshot=True, versus_parent=True,
-         collectives="as 03"),
+    Mode("ddp_fault_tolerant", "06_fault_tolerant.py", "03_ddp_launch.py", "06", 130, 400, TORCHRUN, snapshot=True,
+         flags=("--snapshot", "--snapshot-every", "--timeout"), versus_parent=True, collectives="as 03"),
     Mode("lightning", "07_lightning.py", "03_ddp_launch.py", "Lightning", None, 400, LIGHTNING,
          flags=("--devices", "--num-nodes", "--strategy", "--accelerator"), needs="lightning", versus_parent=True,
          collectives="as 03 (Lightning's DDPStrategy)"),
@@ -130,8 +125,7 @@ MODES = {mode.name: mode for mode in [
 ]}
 
 
-def by_script(script):
-    """The row of a script, by its file name."""
+def by_script(script):  # a script's row, by its file name
     return next(mode for mode in MODES.values() if mode.script == script)
 
 

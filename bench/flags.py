@@ -24,7 +24,7 @@ def in_range(low, high=math.inf, kind=int):
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'a whole number' if kind is int else 'a number'}, "
                                              f"got {text!r}")
-        if not (low <= value <= high) or not math.isfinite(value):  # NaN fails every comparison
+        if not (low <= value <= high and math.isfinite(value)):
             bound = f"at least {low}" if high == math.inf else f"in [{low}, {high}]"
             raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
         return value
@@ -34,18 +34,13 @@ def in_range(low, high=math.inf, kind=int):
 
 def in_range_list(low):
     """Distinct whole numbers of at least low, comma-separated: 0,1,2."""
-    one = in_range(low)
-
     def numbers(text):
-        values = [one(v) for v in text.split(",")]
+        values = [in_range(low)(v) for v in text.split(",")]
         if len(set(values)) != len(values):
             raise argparse.ArgumentTypeError(f"expected distinct numbers such as 1,2,3, got {text!r}")
         return values
-    numbers.bounds = one.bounds
+    numbers.bounds = (low, math.inf)
     return numbers
-
-
-gpu_ids = in_range_list(0)  # positions among the visible GPUs
 
 
 def mode_list(text):
@@ -72,7 +67,8 @@ CPU_PROCESSES = 2  # without GPUs: n up to 2, the fewest processes that meet in 
 def add_devices(p):
     """--gpus and --cpu, which the sweep and the doctor both take, with the same meaning."""
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--gpus", type=gpu_ids, help="positions among the visible GPUs, e.g. 0,1,2,3 (default: all)")
+    where.add_argument("--gpus", type=in_range_list(0),
+                       help="positions among the visible GPUs, e.g. 0,1,2,3 (default: all)")
     where.add_argument("--cpu", type=in_range(1), metavar="N",
                        help=f"1..N CPU processes, gloo, GPUs ignored (default {CPU_PROCESSES} without GPUs)")
 

@@ -15,12 +15,14 @@ LOADER_TIMEOUT_S = 300
 COLLECTIVE_TIMEOUT_S = 60
 
 
-def run_tool(tool, args, out_dir, name, gpus, timeout):
-    """A tool of bench/measure/ on these GPUs: its JSON, or {'error'} saying why there is none."""
+def run_tool(tool, name, args, n, seconds, settings, out_dir):
+    """A tool of bench/measure/ on the sweep's first n GPUs: its JSON, or {'error'} saying why there is none.
+    It gets seconds, or the runs' --timeout where shorter: no wait outlasts the one the user gave."""
     path, log = os.path.join(out_dir, f"{name}.json"), os.path.join(out_dir, "logs", f"{name}.log")
     pathlib.Path(path).unlink(missing_ok=True)  # never report an earlier sweep's result
-    argv = [sys.executable, "-m", f"bench.measure.{tool}", *map(str, args), "--json", path]
-    code, timed_out = run_processes([(visible(gpus), argv)], [log], timeout)
+    argv = [sys.executable, "-m", f"bench.measure.{tool}", *map(str, args), "--json", path] + ["--cpu"] * settings.cpu
+    timeout = min(seconds, settings.timeout or math.inf)
+    code, timed_out = run_processes([(visible(settings.gpus[:n]), argv)], [log], timeout)
     if timed_out or code != 0:  # why, the log line that names the cause, and the fix: once, here
         why = f"no answer within {timeout} s" if timed_out else f"exit code {code}"
         text = f"{why}\n{log_tail([log], lines=40)}"
@@ -30,24 +32,17 @@ def run_tool(tool, args, out_dir, name, gpus, timeout):
     return read_json(path) or {"error": f"no result in {path}"}
 
 
-def bound(seconds, settings):
-    """A measurement's bound, or the runs' --timeout where shorter: no wait outlasts the one the user gave."""
-    return min(seconds, settings.timeout or math.inf)
-
-
 def measure_loader(settings, out_dir):
-    args = ["--batch-size", settings.per_device_batches[0], "--passes", 3] + ["--cpu"] * settings.cpu
-    args += ["--synthetic"] if settings.synthetic else ["--data-dir", settings.data_dir]
-    return run_tool("loader_speed", args, out_dir, "loader_speed", settings.gpus[:1], bound(LOADER_TIMEOUT_S, settings))
+    data = ["--synthetic"] if settings.synthetic else ["--data-dir", settings.data_dir]
+    args = ["--batch-size", settings.per_device_batches[0], "--passes", 3, *data]
+    return run_tool("loader_speed", "loader_speed", args, 1, LOADER_TIMEOUT_S, settings, out_dir)
 
 
 def measure_allreduce(settings, out_dir):
     results = {}
-    for n in [n for n in device_counts(settings.max_n) if n >= 2]:
-        args = ["--nprocs", n, "--min-bytes", 4096, "--max-bytes", 4096, "--warmup", 3, "--iters", 10,
-                "--no-env"] + ["--cpu"] * settings.cpu  # a few seconds each
-        results[n] = run_tool("allreduce", args, out_dir, f"allreduce-n{n}", settings.gpus[:n],
-                              bound(COLLECTIVE_TIMEOUT_S, settings))
+    for n in [n for n in device_counts(settings.max_n) if n >= 2]:  # a few seconds each
+        args = ["--nprocs", n, "--min-bytes", 4096, "--max-bytes", 4096, "--warmup", 3, "--iters", 10, "--no-env"]
+        results[n] = run_tool("allreduce", f"allreduce-n{n}", args, n, COLLECTIVE_TIMEOUT_S, settings, out_dir)
         time_us = (results[n].get("gradient_row") or {}).get("time_us", math.nan)
         print(f"all-reduce of the gradient at n={n}: {time_us / 1e3:.2f} ms {results[n].get('error', '')}", flush=True)
     return results

@@ -3,9 +3,8 @@
     python -m bench.measure.allreduce --nprocs 2 --cpu --json allreduce.json   # gloo, 2 CPU processes
     python -m bench.measure.allreduce --nprocs 4                               # NCCL on 4 GPUs (gloo without NCCL)
 
-Each size is all-reduced --warmup times, then --iters times after a barrier, the device synchronised around
-each; an iteration counts with its slowest rank's time, the median iteration is reported. algbw = bytes /
-time; busbw = algbw x 2(n-1)/n, as nccl-tests defines it: comparable with the links' bandwidth at any n.
+Each size: --warmup untimed calls, then --iters timed, each after a barrier; a call takes its slowest rank's time,
+the median counts. algbw = bytes / time; busbw = algbw x 2(n-1)/n (nccl-tests'): comparable with link bandwidth.
 """
 import argparse
 import os
@@ -13,6 +12,10 @@ import statistics
 import sys
 import time
 from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from bench.flags import in_range
 from bench.outputs import write_json
@@ -23,21 +26,17 @@ FP32_BYTES = 4
 
 
 def time_size(nbytes, device, args):
-    import torch
-    import torch.distributed as dist
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device: None)
     tensor = torch.ones(nbytes // FP32_BYTES, dtype=torch.float32, device=device)
-    for _ in range(args.warmup):  # first calls set up connections, buffers and kernels
-        dist.all_reduce(tensor)
     times = []
-    for _ in range(args.iters):
-        dist.barrier()  # every rank starts together: no iteration times another rank's late arrival
+    for _ in range(args.warmup + args.iters):  # the warm-up calls set up connections, buffers and kernels
+        dist.barrier()  # every rank starts together: no call times another rank's late arrival
         sync(device)
         t0 = time.perf_counter()
         dist.all_reduce(tensor)
         sync(device)  # NCCL returns before the data has moved: read the clock once it has
         times.append(time.perf_counter() - t0)
-    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    slowest = torch.tensor(times[args.warmup:], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     seconds, n = statistics.median(slowest.tolist()), args.nprocs
     return dict(bytes=nbytes, time_us=seconds * 1e6, algbw_gb_s=nbytes / seconds / 1e9,
@@ -45,16 +44,12 @@ def time_size(nbytes, device, args):
 
 
 def backend_for(device):
-    """The scripts' choice: the device's default backend (gloo for the CPU, nccl for CUDA), gloo where that one is
-    not built in (PyTorch for Windows has no NCCL)."""
-    import torch.distributed as dist
+    """The scripts' choice: the device's default backend, or gloo where it is not built in (Windows has no NCCL)."""
     backend = dist.get_default_backend_for_device(device)
     return backend if dist.is_backend_available(backend) else "gloo"
 
 
 def worker(rank, args, params):
-    import torch
-    import torch.distributed as dist
     device = torch.device("cpu") if args.cpu else torch.device("cuda", rank)
     torch.set_num_threads(max(1, cpu_cores() // args.nprocs))  # the scripts' rule: cores / processes
     dist.init_process_group(backend_for(device), rank=rank, world_size=args.nprocs,
@@ -86,20 +81,18 @@ def report(args, rows, backend, device, params):
 
 
 def main(argv=None):
-    import torch.multiprocessing as mp
+    m01 = load_script()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nprocs", type=in_range(1), default=2, help="processes, one per GPU (default 2)")
     p.add_argument("--cpu", action="store_true", help="gloo on the CPU (default: a GPU each, NCCL where torch has it)")
     p.add_argument("--min-bytes", type=in_range(4), default=4 << 10, help="smallest message (default 4 KiB)")
     p.add_argument("--max-bytes", type=in_range(4), default=64 << 20, help="largest message (default 64 MiB)")
     p.add_argument("--warmup", type=in_range(0), default=5, help="untimed iterations per size (default 5)")
-    p.add_argument("--iters", type=in_range(1), default=20,
-                   help="timed iterations per size; the median counts (default 20)")
-    p.add_argument("--json", type=load_script().writable, metavar="PATH",
-                   help="rank 0 writes the results here, env.json beside it")
+    p.add_argument("--iters", type=in_range(1), default=20, help="timed iterations per size (default 20)")
+    p.add_argument("--json", type=m01.writable, metavar="PATH", help="rank 0 writes results here, env.json beside it")
     p.add_argument("--no-env", action="store_true", help="no env.json beside --json (the harness writes its own)")
     args = p.parse_args(argv)
-    params = sum(param.numel() for param in load_script().Net().parameters())  # built once: the ranks need torch only
+    params = sum(param.numel() for param in m01.Net().parameters())  # counted here: the ranks need not load 01
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))  # several runs may share a host
     mp.spawn(worker, args=(args, params), nprocs=args.nprocs)
