@@ -7,9 +7,8 @@ import os
 from bench.family import MODES, REPO
 
 # The estimate before a sweep: start-up, one evaluation of 10,000 images per epoch, training at 01's speed.
-# Measured on a quiet 2-core VM (results/cpu-2core-amd-epyc) and one H200 (results/1x-nvidia-h200-gpu-check).
 START_S, EVAL_S, SAMPLES_PER_S = dict(cpu=18, gpu=10), dict(cpu=4, gpu=0.2), dict(cpu=850, gpu=25000)
-ESTIMATED_ON = dict(cpu="a quiet 2-core VM", gpu="an H200")  # what the estimate printed assumes
+ESTIMATED_ON = dict(cpu="a quiet 2-core VM", gpu="an H200")  # where those were measured (their sweeps in results/)
 TIMEOUT_FACTOR, TIMEOUT_SLACK_S = 5, 120  # a run's bound: 5 x its estimate + 2 minutes (CUDA start-up, imports)
 
 
@@ -20,7 +19,7 @@ class Settings:
     max_n: int  # devices at most: len(gpus), or CPU processes
     per_device_batches: list  # each swept (--per-gpu-batch)
     epochs: int
-    epoch_images: int  # training images per epoch, the same at every n (0: all of MNIST's); see steps_per_epoch
+    epoch_images: int  # training images per epoch, the same at every n (0: all of MNIST's)
     test_batch_size: int
     seed: int
     synthetic: bool
@@ -71,26 +70,20 @@ def unavailable_reason(name):
     return None
 
 
-def left_out_at(name, n, settings):
-    """Why a mode does not run at n in this sweep, or None where it does."""
-    mode = MODES[name]
-    if not mode.runs_with(n, settings.cpu):
-        return mode.why
-    if settings.cpu and n == 1 < settings.max_n and mode.collective:  # on 01's cores: only the wrapper's cost
-        return "a CPU sweep to n > 1 runs the process-group modes at n > 1 only, to stay short; --cpu 1 runs them"
-    return None
-
-
 def plan(settings, modes, variants, repeats):
     """(every run in order, what is left out and why); repeats outermost: a stopped sweep has whole repeats."""
-    runnable, counts = [m for m in modes if not unavailable_reason(m)], device_counts(settings.max_n)
-    runs = [Run(name, tuple(flags), mode, n, per_device_batch, r) for r in range(1, repeats + 1)
-            for name, flags in variants for per_device_batch in settings.per_device_batches for n in counts
-            for mode in runnable if not left_out_at(mode, n, settings)]
-    left_out = [f"{MODES[m].script} ({unavailable_reason(m)})" for m in modes if m not in runnable]
-    left_out += [f"{MODES[m].script} at n = {n} ({left_out_at(m, n, settings)})" for n in counts for m in runnable
-                 if left_out_at(m, n, settings)]
-    return runs, left_out
+    runnable = [m for m in modes if not unavailable_reason(m)]
+    left_out, where = [f"{MODES[m].script} ({unavailable_reason(m)})" for m in modes if m not in runnable], []
+    for n, mode in [(n, MODES[m]) for n in device_counts(settings.max_n) for m in runnable]:
+        if not mode.runs_with(n, settings.cpu):
+            left_out.append(f"{mode.script} at n = {n} ({mode.why})")
+        elif settings.cpu and n == 1 < settings.max_n and mode.collective:  # on 01's cores: only the wrapper's cost
+            left_out.append(f"{mode.script} at n = 1 (a CPU sweep to n > 1 runs the process-group modes at n > 1 "
+                            "only, to stay short; --cpu 1 runs them)")
+        else:
+            where.append((mode.name, n))
+    return [Run(name, tuple(flags), mode, n, batch, r) for r in range(1, repeats + 1) for name, flags in variants
+            for batch in settings.per_device_batches for mode, n in where], left_out
 
 
 def ideal_speedup(n, shared_cores):
@@ -103,19 +96,15 @@ def global_batch(run):
 
 
 def steps_per_epoch(run, settings):
-    """The run's --max-steps (0: all): epoch_images over its global batch, rounded up. An epoch then has the same
-    images at every n, and time to target compares like with like."""
-    if not settings.epoch_images:
-        return 0
+    """The run's --max-steps (0: all): epoch_images over its global batch, rounded up: the same images at every n."""
     return math.ceil(settings.epoch_images / global_batch(run))
 
 
 def estimate_s(run, settings):
     """Rough seconds of one run: MNIST has 60,000 training images."""
     steps = min(math.ceil(60000 / global_batch(run)), steps_per_epoch(run, settings) or math.inf)
-    kind = settings.kind
-    speed = SAMPLES_PER_S[kind] * ideal_speedup(run.n, settings.cpu)
-    return START_S[kind] + settings.epochs * (EVAL_S[kind] + steps * global_batch(run) / speed)
+    speed = SAMPLES_PER_S[settings.kind] * ideal_speedup(run.n, settings.cpu)
+    return START_S[settings.kind] + settings.epochs * (EVAL_S[settings.kind] + steps * global_batch(run) / speed)
 
 
 def timeout_s(run, settings):

@@ -7,13 +7,11 @@
     python bench/run_all.py --gpus 0,1 --resume       # continue a sweep that was stopped (Ctrl-C, crash)
     CUDA_VISIBLE_DEVICES=4,5,6,7 python bench/run_all.py   # those four GPUs; --gpus then counts within them
 
-n: 1, the powers of two below the number of devices, that number. Writes runs.csv, summary.csv, env.json,
-report.md, plots, logs/, metrics/ under --out. Exit status 0: every run finished, 1: some failed, 2: bad
-arguments (nothing run), 130: Ctrl-C (then --resume).
+n: 1, the powers of two below the number of devices, that number. Writes report.md, plots, runs.csv and more under
+--out. Exit status 0: every run ok, 1: some failed, 2: bad arguments (nothing run), 130: Ctrl-C (then --resume).
 """
 import argparse
 import contextlib
-import itertools
 import os
 import shlex
 import signal
@@ -22,14 +20,12 @@ import tempfile
 
 if not __package__:  # `python bench/run_all.py`: the package is importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench import machine, measurements, plan, sweep  # noqa: E402
+from bench import REPO, fake_mnist, machine, measurements, plan, processes, sweep  # noqa: E402
 from bench.commands import as_typed, commands, repo_relative  # noqa: E402
-from bench.fake_mnist import missing_mnist_files  # noqa: E402
 from bench.flags import (CPU_PROCESSES, BadArgument, Parser, add_devices, chosen_gpus,  # noqa: E402
                          in_range, in_range_list, mode_list, variant)
 from bench.outputs import read_json, read_runs, write_json, write_runs  # noqa: E402
-from bench.processes import processes_mentioning  # noqa: E402
-from bench.family import MODES, REPO  # noqa: E402
+from bench.family import MODES  # noqa: E402
 
 RESULTS = os.path.join(REPO, "results")  # each machine's sweeps: results/<label>, then <label>-2, -3...
 
@@ -46,15 +42,13 @@ def parser():
     p.add_argument("--epochs", type=in_range(1),
                    help=f"epochs per run (default: {gpu['epochs']} on GPUs, {cpu['epochs']} on the CPU)")
     p.add_argument("--epoch-images", type=in_range(0), metavar="N",
-                   help="training images per epoch, the same at every n: each run takes N / its global batch steps "
-                   f"(the scripts' --max-steps); 0: all 60,000 (default: {gpu['epoch_images'] or 'all'} on GPUs, "
-                   f"{cpu['epoch_images']:,} on the CPU)")
+                   help="training images per epoch at every n: N / the global batch steps (the scripts' --max-steps); "
+                   f"0: all 60,000 (default: {gpu['epoch_images'] or 'all'} on GPUs, {cpu['epoch_images']:,} on CPU)")
     p.add_argument("--test-batch-size", type=in_range(1), default=1000)
     p.add_argument("--seed", type=in_range(0, 2**32 - 1000), default=1,  # the scripts take seeds below 2**32
                    help="seed of repeat 1; repeat k uses seed + k - 1")
     p.add_argument("--repeats", type=in_range(1), default=1, metavar="K", help="runs per row; tables show medians")
-    p.add_argument("--modes", type=mode_list, default=list(MODES),
-                   help=f"comma-separated from {', '.join(MODES)}, or their numbers (01,03)")
+    p.add_argument("--modes", type=mode_list, default=list(MODES), help=f"from {', '.join(MODES)}, or numbers (01,03)")
     p.add_argument("--synthetic", action="store_true", help="random MNIST-shaped data: throughput only, no download")
     p.add_argument("--data-dir", default="data", help="torchvision's MNIST folder (default ./data)")
     p.add_argument("--no-download", action="store_true", help="stop if MNIST is not in --data-dir")
@@ -92,35 +86,24 @@ def check_out(path, resume, force):
 
 
 def default_out(label, resume):
-    """results/<label>, or <label>-2, -3...: the first that holds no sweep, so that a sweep never refuses to start or
-    overwrites one (the repository's own included); with --resume, the last that holds one."""
-    def folder(i):
-        return os.path.join(RESULTS, label if i == 1 else f"{label}-{i}")
-    i = next(i for i in itertools.count(1) if not os.path.exists(os.path.join(folder(i), "runs.csv")))
-    return folder(max(1, i - 1) if resume else i)
+    """The first of results/<label>, <label>-2, -3... that holds no sweep; with --resume, the last that holds one."""
+    folders = [os.path.join(RESULTS, label)]
+    while os.path.exists(os.path.join(folders[-1], "runs.csv")):
+        folders.append(os.path.join(RESULTS, f"{label}-{len(folders) + 1}"))
+    return folders[-2] if resume and len(folders) > 1 else folders[-1]
 
 
 def check_no_stray_runs(out_dir):
-    """A sweep killed outright (SIGKILL, a lost terminal) leaves its runs training: a new one would share the devices
-    with them and measure that. Their command lines name the sweep's metrics/ folder."""
-    metrics = os.path.join(out_dir, "metrics", "")
-    strays = processes_mentioning(metrics) + processes_mentioning(os.path.join(repo_relative(out_dir), "metrics", ""))
+    """Runs of a sweep killed outright still use its devices; their command lines name its metrics/ folder."""
+    strays = {pid: command for folder in (out_dir, repo_relative(out_dir))
+              for pid, command in processes.processes_mentioning(os.path.join(folder, "metrics", ""))}
     if strays:
-        named = "; ".join(f"pid {pid}: {command[:80]}" for pid, command in dict(strays).items())
+        named = "; ".join(f"pid {pid}: {command[:80]}" for pid, command in strays.items())
         raise BadArgument(f"runs of an earlier sweep into {out_dir} are still running ({named}): stop them first")
 
 
-def earlier_runs(out_dir, settings, earlier_settings):
-    if not os.path.exists(os.path.join(out_dir, "runs.csv")):
-        return {}
-    diff = sorted(k for k, v in settings.comparable().items() if earlier_settings.get(k) != v)
-    if diff:
-        raise BadArgument(f"cannot --resume {out_dir}: it was run with other settings ({', '.join(diff)})")
-    return {r["run_id"]: r for r in read_runs(out_dir) if r["status"] == "ok"}
-
-
 def download_mnist(data_dir, allowed):
-    """Real MNIST must be there before the sweep: one download here rather than one in every run."""
+    """Once before the sweep, rather than once in every run."""
     raw = os.path.join(data_dir, "MNIST", "raw")
     if allowed:
         print(f"MNIST is not in {raw}: downloading it once before the sweep", flush=True)
@@ -173,28 +156,33 @@ def main(argv=None):
         if not args.dry_run:
             check_no_stray_runs(out_dir)  # before --resume reads what they may still be writing
         earlier = read_json(os.path.join(out_dir, "env.json"), {}) if args.resume else {}
-        done = earlier_runs(out_dir, settings, earlier.get("settings") or {}) if args.resume else {}
+        done = {}  # with --resume, the ok runs of a sweep run with these settings
+        if args.resume and os.path.exists(os.path.join(out_dir, "runs.csv")):
+            diff = sorted(k for k, v in settings.comparable().items() if (earlier.get("settings") or {}).get(k) != v)
+            if diff:
+                raise BadArgument(f"cannot --resume {out_dir}: it was run with other settings ({', '.join(diff)})")
+            done = {r["run_id"]: r for r in read_runs(out_dir) if r["status"] == "ok"}
         print_plan(runs, done, settings, left_out, out_dir)
         if args.dry_run:
             return 0
-        if not settings.synthetic and missing_mnist_files(os.path.join(REPO, settings.data_dir)):
+        if not settings.synthetic and fake_mnist.missing_mnist_files(os.path.join(REPO, settings.data_dir)):
             download_mnist(settings.data_dir, not args.no_download)
     except BadArgument as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
-    os.makedirs(os.path.join(out_dir, "metrics"), exist_ok=True)
+    for folder in ("logs", "metrics"):
+        os.makedirs(os.path.join(out_dir, folder), exist_ok=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # killed, it stops its runs as after Ctrl-C
     try:
         env = dict(machine.environment(REPO, gpus), python=sys.executable, harness_command=command,
                    hardware=machine.hardware_label([n for _, n in gpus], settings.max_n),
                    settings=settings.comparable())
         print(f"benchmarking on {env['hardware']} -> {out_dir}", flush=True)
-        # A resumed sweep keeps what was measured when it started: the same machine, and seconds saved.
+        # A resumed sweep keeps what was measured when it started (the same machine), but retries a failed collective.
         env["loader"] = earlier.get("loader") or measurements.measure_loader(settings, out_dir)
         env["allreduce"] = earlier.get("allreduce")
-        if not env["allreduce"] or measurements.failed_collectives(env["allreduce"]):  # a failed one: tried again
+        if not env["allreduce"] or measurements.failed_collectives(env["allreduce"]):
             env["allreduce"] = measurements.measure_allreduce(settings, out_dir)
         write_json(os.path.join(out_dir, "env.json"), env)
         broken = measurements.failed_collectives(env["allreduce"])
@@ -202,8 +190,7 @@ def main(argv=None):
         frame = write_report(out_dir, env, settings, left_out)
     except KeyboardInterrupt:
         print(f"\ninterrupted: the finished runs are in {out_dir}/runs.csv; add --resume to continue", file=sys.stderr)
-        # Stopped (Ctrl-C, a bound such as the GPU check's): report.md and the plots of the runs that finished,
-        # the others named as not run. A second Ctrl-C gives that up.
+        # A report of the runs that finished, the others named as not run; a second Ctrl-C gives it up.
         if os.path.exists(os.path.join(out_dir, "runs.csv")) and os.path.exists(os.path.join(out_dir, "env.json")):
             with contextlib.suppress(KeyboardInterrupt):
                 finished = {r["run_id"] for r in read_runs(out_dir)}

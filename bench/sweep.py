@@ -16,6 +16,7 @@ from bench.family import MODES
 from bench.outputs import RECORD_COLUMNS, read_json, write_json, write_runs
 from bench.processes import log_tail, run_processes
 
+
 def time_to_target(record, target):
     """Training seconds (evaluation left out) until an epoch's test accuracy reaches the target, else None."""
     epochs = record.get("epochs_detail", [])
@@ -56,40 +57,27 @@ def run_one(run, settings, out_dir):
     code, timed_out = run_processes(cmds, logs, timeout)
     wall = round(time.monotonic() - t0, 2)
     shutil.rmtree(snapshots, ignore_errors=True)
-    argv, record, mode = cmds[0][1], read_json(metrics), MODES[run.mode]
+    record = read_json(metrics)
     if record:  # completed once, where it lies: the report and a reader of metrics/ see one record
-        record = completed(record, run, settings, argv)
+        record = completed(record, run, settings, cmds[0][1])
         write_json(metrics, record)
     state, error = status(code, timed_out, record, settings, timeout)
     if state != "ok":
         error = f"{error}; {advice(log_tail(logs, lines=40))}"
     reached = time_to_target(record, settings.target_acc) if record and not record.get("synthetic") else None
     return dict(dataclasses.asdict(run), run_id=run.run_id, status=state, exit_code=code, error=error, wall_s=wall,
-                busy_before=in_use, timeout_s=round(timeout),
-                started_at=started, target_accuracy=settings.target_acc, command=as_typed(cmds, settings.cpu),
-                loader_batch=mode.batch.loader_batch(run.per_device_batch, run.n),
-                log_path=os.path.relpath(logs[0], out_dir),
+                busy_before=in_use, timeout_s=round(timeout), started_at=started, target_accuracy=settings.target_acc,
+                command=as_typed(cmds, settings.cpu), log_path=os.path.relpath(logs[0], out_dir),
+                loader_batch=MODES[run.mode].batch.loader_batch(run.per_device_batch, run.n),
                 metrics_path=os.path.relpath(metrics, out_dir), log_tail=log_tail(logs) if state != "ok" else None,
                 time_to_target_s=reached, **{k: (record or {}).get(k) for k in RECORD_COLUMNS})
 
 
-def skipped(run, why):
-    """The row of a run not started: the collective it needs failed before the sweep."""
-    return dict(dataclasses.asdict(run), run_id=run.run_id, status="skipped", error=why, command="", log_path="-",
-                metrics_path=os.path.join("metrics", f"{run.run_id}.json"),  # none is written: no record
-                log_tail="(not started: the error names the all-reduce's log)")
-
-
 def run_plan(runs, done, settings, out_dir, failed_collectives):
-    """Run what is not done (done: earlier ok rows by run id, kept), but not those whose collective failed
-    ({n: why}); returns every row, in plan order."""
-    todo, fresh, t0 = [r for r in runs if r.run_id not in done], {}, time.monotonic()
+    """Run what is not done (done: earlier ok rows by id), but not where the collective failed ({n: why}); all rows."""
+    rows = {**dict.fromkeys(r.run_id for r in runs), **done}  # in plan order, then earlier rows outside the plan
+    todo, t0 = [r for r in runs if r.run_id not in done], time.monotonic()
     estimates = [plan.estimate_s(r, settings) for r in todo]  # the time left: theirs, at the pace of the runs done
-
-    def rows():  # in plan order, then the earlier ones outside the plan (a resumed sweep with fewer modes)
-        ids = [r.run_id for r in runs] + [i for i in done if i not in {r.run_id for r in runs}]
-        return [fresh.get(i) or done[i] for i in ids if i in fresh or i in done]
-
     for i, run in enumerate(todo, 1):
         tag = f"[{i}/{len(todo)}] {run.mode} n={run.n} ({'processes' if settings.cpu else 'GPUs'}) {run.run_id}"
         elapsed = time.monotonic() - t0
@@ -97,13 +85,19 @@ def run_plan(runs, done, settings, out_dir, failed_collectives):
         left = f", about {timedelta(seconds=round(pace * sum(estimates[i - 1:])))} left at this pace" if pace else ""
         print(f"{tag}: start, elapsed {timedelta(seconds=round(elapsed))}{left}", flush=True)
         broken = failed_collectives.get(run.n) if MODES[run.mode].collective else None
-        why = f"not run: the all-reduce at n = {run.n} failed before the sweep: {broken}"
-        row = fresh[run.run_id] = skipped(run, why) if broken else run_one(run, settings, out_dir)
+        if broken:  # not started: no log, no record
+            row = dict(dataclasses.asdict(run), run_id=run.run_id, status="skipped", command="", log_path="-",
+                       error=f"not run: the all-reduce at n = {run.n} failed before the sweep: {broken}",
+                       metrics_path=os.path.join("metrics", f"{run.run_id}.json"),
+                       log_tail="(not started: the error names the all-reduce's log)")
+        else:
+            row = run_one(run, settings, out_dir)
+        rows[run.run_id] = row
         result = (f"{row['samples_per_s'] or 0:,.0f} samples/s, accuracy {row['test_accuracy'] or 0:.2%}"
                   if row["status"] == "ok" else row["error"] if row["status"] == "skipped"
                   else f"{row['error']}, log {os.path.join(out_dir, row['log_path'])}")
         print(f"{tag}: {row['status']} in {row.get('wall_s') or 0:.1f} s, {result}", flush=True)
         if row.get("busy_before"):
             print(f"{tag}: WARNING, its GPUs were busy when it started: {row['busy_before']}", flush=True)
-        write_runs(out_dir, rows())
-    return rows()
+        write_runs(out_dir, [row for row in rows.values() if row])
+    return [row for row in rows.values() if row]
