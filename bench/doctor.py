@@ -274,12 +274,13 @@ def main(argv=None):
             say("the all-reduce at each n of the sweep")
             collective, failed_n = collective_rows(settings, work)
             rows += collective
-            _, error = mnist.communicate() if mnist else (None, None)
-            if mnist and mnist.returncode == 0:
-                training_rows(settings, work, failed_n, rows)
-            elif mnist:
-                rows.append(row("training runs", "FAIL", f"could not write a tiny MNIST: {checks.cause_line(error)}",
-                                checks.advice(error)))
+            if mnist:
+                _, error = mnist.communicate()
+                if mnist.returncode == 0:
+                    training_rows(settings, work, failed_n, rows)
+                else:
+                    rows.append(row("training runs", "FAIL", f"could not write a tiny MNIST: "
+                                    f"{checks.cause_line(error)}", checks.advice(error)))
     except KeyboardInterrupt:  # run_processes has stopped the runs under way
         interrupted = True
         rows.append(row("interrupted", "FAIL", f"stopped after {time.monotonic() - STARTED:.0f} s, its runs "
