@@ -10,7 +10,8 @@ from bench.machine import output_of
 BUSY_MIB = 256  # an idle GPU shows a few MiB (the driver's own); more means a process holds memory there
 OLDEST_CAPABILITY, LAST_TORCH_FOR_OLDER = (7, 5), (2, 14)  # torch 2.15 has no build below 7.5: V100 and older
 SHM_LOW_BYTES = 1 << 30  # DataLoader workers and NCCL's transport within a node live in it; docker gives 64 MiB
-# torch's abort at a worker's exit after a good run (gloo's threads alive), and how often tests and check_copy retry.
+# torch's abort at a process's exit after a good run: a gloo thread frees a finished collective's tensors while
+# Python shuts down. How often the sweep, the doctor, the tests and check_copy run such a run again.
 EXIT_ABORT, EXIT_ABORT_AGAIN = "terminate called without an active exception", 2
 DEFAULT_PORT = 29500  # torchrun's, and 04's and 05's --master-port unless MASTER_PORT is set
 

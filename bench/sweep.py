@@ -10,7 +10,7 @@ import time
 from datetime import datetime, timedelta, timezone
 
 from bench import plan
-from bench.checks import advice, busy, gpu_usage
+from bench.checks import EXIT_ABORT, EXIT_ABORT_AGAIN, advice, busy, gpu_usage
 from bench.commands import as_typed, commands
 from bench.family import MODES
 from bench.outputs import RECORD_COLUMNS, read_json, write_json, write_runs
@@ -47,15 +47,19 @@ def status(code, timed_out, record, settings, timeout):
 def run_one(run, settings, out_dir):
     metrics = os.path.join(out_dir, "metrics", f"{run.run_id}.json")
     snapshots = os.path.join(out_dir, f"snapshot-{run.run_id}")  # 06's, deleted after the run
-    pathlib.Path(metrics).unlink(missing_ok=True)  # a redone run must never report or resume an earlier attempt
-    shutil.rmtree(snapshots, ignore_errors=True)
-    os.makedirs(snapshots)
-    cmds = commands(run, settings, metrics, os.path.join(snapshots, "snapshot.pt"))
-    logs = [os.path.join(out_dir, "logs", f"{run.run_id}{f'.node{i}' if i else ''}.log") for i in range(len(cmds))]
     in_use, timeout = "; ".join(busy(gpu_usage(settings.gpus[:run.n]))), plan.timeout_s(run, settings)
-    started, t0 = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.monotonic()
-    code, timed_out = run_processes(cmds, logs, timeout)
-    wall = round(time.monotonic() - t0, 2)
+    for attempt in range(1 + EXIT_ABORT_AGAIN):  # torch's abort at a process's exit is not the run's: again
+        pathlib.Path(metrics).unlink(missing_ok=True)  # a redone run must never report or resume an earlier attempt
+        shutil.rmtree(snapshots, ignore_errors=True)
+        os.makedirs(snapshots)
+        cmds = commands(run, settings, metrics, os.path.join(snapshots, "snapshot.pt"))
+        logs = [os.path.join(out_dir, "logs", f"{run.run_id}{f'.node{i}' if i else ''}.log") for i in range(len(cmds))]
+        started, t0 = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.monotonic()
+        code, timed_out = run_processes(cmds, logs, timeout)
+        wall = round(time.monotonic() - t0, 2)
+        if code == 0 or timed_out or attempt == EXIT_ABORT_AGAIN or EXIT_ABORT not in log_tail(logs, lines=60):
+            break
+        print(f"{run.run_id}: torch aborted a process at its exit ({EXIT_ABORT}); the run starts again", flush=True)
     shutil.rmtree(snapshots, ignore_errors=True)
     record = read_json(metrics)
     if record:  # completed once, where it lies: the report and a reader of metrics/ see one record

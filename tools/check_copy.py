@@ -287,7 +287,7 @@ def main(argv=None):
         kinds = [launch_kind(source) for _, source in sources]
         pending = [check(script.resolve(), kind, ["--data-dir", data_dir], test_rows, work / f"{i}-{script.stem}",
                          args.only, pool) for i, ((script, _), kind) in enumerate(zip(sources, kinds))]
-        for (script, _), kind, verdicts in zip(sources, kinds, pending):
+        for (script, source), kind, verdicts in zip(sources, kinds, pending):
             print(f"{script} ({kind}):", flush=True)
             for guarantee, held, seen in verdicts():
                 print(f"  {({True: 'holds ', False: 'BROKEN', None: 'n/a   '})[held]}  {guarantee}: {seen}",

@@ -92,9 +92,15 @@ def test_unwritable_output_and_missing_data_are_refused_before_any_run(tmp_path)
 
 # ---- a real sweep: a failed run does not stop it, --resume redoes it
 
-FAIL_01 = """import os, sys
+FAIL_01 = """import atexit, os, sys
 if os.path.basename(sys.argv[0]) == "01_single_gpu.py" and os.environ.get("BENCH_TEST_FAIL_01"):
     sys.exit("01 failed on purpose")
+aborted = os.environ.get("BENCH_TEST_ABORT_06")  # torch's abort at a worker's exit, once: 06's rank 1
+if os.path.basename(sys.argv[0]) == "06_fault_tolerant.py" and os.environ.get("RANK") == "1" and aborted \
+        and not os.path.exists(aborted):
+    open(aborted, "w").close()
+    atexit.register(lambda: (print("terminate called without an active exception", file=sys.stderr, flush=True),
+                             os.abort()))
 """
 
 
@@ -110,10 +116,20 @@ def full_sweep(tmp_path_factory, quick_mnist_dir, fake_machine):
     (hooks / "sitecustomize.py").write_text(FAIL_01)
     args = [*SWEEP, "--data-dir", quick_mnist_dir, "--out", out]
     env = {**fake_machine, "PYTHONPATH": str(hooks)}
-    first = harness(*args, env={**env, "BENCH_TEST_FAIL_01": "1"}, timeout=900)  # 3 runs
+    aborted = hooks / "06-aborted"
+    first = harness(*args, env={**env, "BENCH_TEST_FAIL_01": "1", "BENCH_TEST_ABORT_06": str(aborted)}, timeout=900)
+    assert aborted.exists(), "06's planted exit abort did not happen"
     first_runs = read_runs(out)
     second = harness(*args, "--resume", env=env)
     return first, first_runs, second, out
+
+
+def test_a_run_that_torch_aborts_at_a_workers_exit_runs_again_and_says_so(full_sweep):
+    first, runs, _, _ = full_sweep
+    again = [line for line in first.stdout.splitlines() if "torch aborted a process at its exit" in line]
+    assert [line.split(":")[0] for line in again] == [f"ddp_fault_tolerant-n2-b{B}-r1"], first.stdout
+    row = runs.set_index("run_id").loc[f"ddp_fault_tolerant-n2-b{B}-r1"]
+    assert row["status"] == "ok" and row["steps"] > 0, row  # the second attempt's record, whole
 
 
 def test_a_failed_run_is_recorded_and_the_sweep_goes_on(full_sweep):
