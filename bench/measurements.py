@@ -23,13 +23,14 @@ def run_tool(tool, name, args, n, seconds, settings, out_dir):
     argv = [sys.executable, "-m", f"bench.measure.{tool}", *map(str, args), "--json", path] + ["--cpu"] * settings.cpu
     timeout = min(seconds, settings.timeout or math.inf)
     code, timed_out = run_processes([(visible(settings.gpus[:n]), argv)], [log], timeout)
-    if timed_out or code != 0:  # why, the log line that names the cause, and the fix: once, here
-        why = f"no answer within {timeout} s" if timed_out else f"exit code {code}"
-        text = f"{why}\n{log_tail([log], lines=40)}"
-        cause, fix = cause_line(text), advice(text)
-        return {"error": f"{why}: {cause} (log {os.path.relpath(log, out_dir)}); {fix}", "why": why,
-                "cause": cause, "advice": fix, "log": log}
-    return read_json(path) or {"error": f"no result in {path}"}
+    if code == 0 and not timed_out and (result := read_json(path)):
+        return result
+    # Why, the log line that names the cause, and the fix: once, here, for every way it can fail.
+    why = f"no answer within {timeout} s" if timed_out else f"exit code {code}" if code else f"no result in {path}"
+    text = f"{why}\n{log_tail([log], lines=40)}"
+    cause, fix = cause_line(text), advice(text)
+    return {"error": f"{why}: {cause} (log {os.path.relpath(log, out_dir)}); {fix}", "why": why, "cause": cause,
+            "advice": fix, "log": log}
 
 
 def measure_loader(settings, out_dir):

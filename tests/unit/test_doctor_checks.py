@@ -29,6 +29,16 @@ def test_a_collective_that_does_not_answer_in_time_fails_with_the_hang_advice_at
     assert took < 1 + 2 * KILL_GRACE_S + slack(5), f"{took:.1f} s ({busy_note()})"
 
 
+def test_a_collective_that_exits_0_without_its_result_is_a_failed_row_not_a_traceback(monkeypatch, tmp_path):
+    """Its JSON unreadable or never written: the doctor's row and the sweep's skip still say why and name the log."""
+    monkeypatch.setattr(measurements, "read_json", lambda path: None)
+    (tmp_path / "logs").mkdir()
+    rows, failed = doctor.collective_rows(doctor.doctor_settings([], doctor.parse_args([]), str(tmp_path)),
+                                          str(tmp_path))
+    assert failed == {2} and rows[0]["status"] == "FAIL", rows
+    assert "no result in" in rows[0]["detail"] and "allreduce-n2.log" in rows[0]["detail"], rows
+
+
 # ---- busy GPUs, through a stand-in nvidia-smi (the fixture two_gpus)
 
 def test_gpu_usage_reads_memory_and_processes_per_gpu_as_cuda_visible_devices_names_them(two_gpus):
