@@ -16,13 +16,17 @@ from bench.family import MODES
 from helpers import ROOT, busy_note, fake_command, slack
 
 
+def collective_rows_in(tmp_path):
+    """The doctor's all-reduce rows on this CPU, its logs under tmp_path: (rows, the n where it failed)."""
+    (tmp_path / "logs").mkdir()
+    return doctor.collective_rows(doctor.doctor_settings([], doctor.parse_args([]), str(tmp_path)), str(tmp_path))
+
+
 def test_a_collective_that_does_not_answer_in_time_fails_with_the_hang_advice_at_the_bound(monkeypatch, tmp_path):
     """A hung all-reduce, stood in for by the bound cut to 1 s (the tool's start-up alone takes longer)."""
     monkeypatch.setattr(measurements, "COLLECTIVE_TIMEOUT_S", 1)
-    (tmp_path / "logs").mkdir()
     started = time.monotonic()
-    rows, failed = doctor.collective_rows(doctor.doctor_settings([], doctor.parse_args([]), str(tmp_path)),
-                                          str(tmp_path))
+    rows, failed = collective_rows_in(tmp_path)
     assert failed == {2} and rows[0]["status"] == "FAIL" and "no answer within 1 s" in rows[0]["detail"]
     assert rows[0]["todo"] == checks.advice("Timed out") and "NCCL_P2P_DISABLE=1" in rows[0]["todo"]
     took = time.monotonic() - started  # the bound, then SIGTERM and SIGKILL, then starting and reading the tool
@@ -30,11 +34,9 @@ def test_a_collective_that_does_not_answer_in_time_fails_with_the_hang_advice_at
 
 
 def test_a_collective_that_exits_0_without_its_result_is_a_failed_row_not_a_traceback(monkeypatch, tmp_path):
-    """Its JSON unreadable or never written: the doctor's row and the sweep's skip still say why and name the log."""
+    """Its JSON unreadable or never written: the doctor's row still says why and names the log."""
     monkeypatch.setattr(measurements, "read_json", lambda path: None)
-    (tmp_path / "logs").mkdir()
-    rows, failed = doctor.collective_rows(doctor.doctor_settings([], doctor.parse_args([]), str(tmp_path)),
-                                          str(tmp_path))
+    rows, failed = collective_rows_in(tmp_path)
     assert failed == {2} and rows[0]["status"] == "FAIL", rows
     assert "no result in" in rows[0]["detail"] and "allreduce-n2.log" in rows[0]["detail"], rows
 
