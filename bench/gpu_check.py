@@ -11,12 +11,11 @@ work; on one H200 with Lightning:
     step         what it runs                                                              work / bound
     warm up      import torch and torchvision, start CUDA (a cold machine's first import)     27 / 41 s
     doctor       bench/doctor.py --quick: its table                                           27 / 41 s
-    gpu tests    01, 02 and 04 at once on CUDA; the step that never waits; the CUDA graph     45 / 68 s
+    gpu tests    01, 02 and 04 at once on CUDA; the step that never waits                     45 / 68 s
     two ranks    03, 05-09 as two ranks on GPU 0, 01 beside them, all at once                 63 / 95 s
-    step forms   01's step eager, compiled and as one CUDA graph (bench/measure/step_forms)   36 / 54 s
     sweep        bench/run_all.py --modes 01: the harness, its report and plots               67 / 100 s
 
-The bounds add up to 399 s; with 20 s more to end each step cut, 519 s whatever hangs: within a 540 s call."""
+The bounds add up to 345 s; with 20 s more to end each step cut, 445 s whatever hangs: within a 540 s call."""
 import argparse
 import contextlib
 import importlib.util
@@ -43,9 +42,8 @@ MARGIN = 1.5  # a step's bound over its work: the work fills at most two thirds 
 STEPS = {  # each step's work in run start-ups: (on the GPU, on the CPU), read as STEPS[name][cpu]
     "warm up": (1.5, 1),  # a cold machine's first import reads CUDA's libraries from disk
     "doctor": (1.5, 2.5),  # collect_env (1), nvidia-smi and git (0.5); on the CPU also the all-reduce (1)
-    "gpu tests": (2.5, 1),  # pytest (0.5), 01, 02 and 04 at once (1.5), never-waits and the graph (0.5)
+    "gpu tests": (2.5, 1),  # pytest (0.5), 01, 02 and 04 at once (1.5), the step that never waits (0.5)
     "two ranks": (3.0, 1),  # pytest (0.5), 01 and five modes as two nodes: 19 processes on 16 cores (2.5)
-    "step forms": (2, 4),  # a start-up, compiling (0.5), 3 x 510 steps (0.5); the CPU compiles slowly
     "sweep": (3.7, 4),  # collect_env (1.2), the loader's measurement (1), 01 (1), report and plots (0.5)
 }
 LIGHTNING = (0.5, 0)  # 07's two nodes, in the two ranks step where Lightning is installed
@@ -77,8 +75,6 @@ def steps(work, cpu):
         "doctor": [*doctor, "--json", f"{work}/doctor.json", "--logs", f"{work}/doctor"],
         "gpu tests": [*tests, "gpu and not two_ranks", "--junitxml", f"{work}/gpu-tests.xml"] if has_pytest else None,
         "two ranks": [*tests, "gpu and two_ranks", "--junitxml", f"{work}/two-ranks.xml"] if has_pytest else None,
-        "step forms": [py, "-m", "bench.measure.step_forms", *(["--cpu", "--steps", "10"] if cpu else []),
-                       "--json", f"{work}/step-forms.json"],
         "sweep": [py, "bench/run_all.py", *sweep, "--modes", "01", "--synthetic", "--epochs", "1",
                   "--timeout", "90" if cpu else "60", "--out", f"{work}/sweep"],  # each run within the sweep's bound
     }

@@ -1,7 +1,6 @@
 """The GPU check's steps, started as they run on a bare machine: the two test steps collected by pytest (between
-them every GPU test once, every numbered script among them, without pandas or matplotlib), the warm-up, and the
-step forms on the CPU (the rest of the GPU check, in this process: tests/unit/test_gpu_check.py)."""
-import json
+them every GPU test once, every numbered script among them, without pandas or matplotlib) and the warm-up (the
+rest of the GPU check, in this process: tests/unit/test_gpu_check.py)."""
 import re
 import sys
 
@@ -41,11 +40,3 @@ def test_the_warm_up_imports_torch_and_starts_cuda_or_says_why_it_cannot(tmp_pat
     cuda = run(steps[False]["warm up"], timeout=120, check=False)  # here, without a GPU: the step fails, saying why
     assert cuda.returncode != 0 and ("NVIDIA driver" in cuda.stderr or "CUDA" in cuda.stderr), cuda.stderr
 
-
-def test_the_step_forms_step_on_the_cpu_times_eager_and_says_why_the_graph_is_skipped(tmp_path):
-    argv = dict((name, argv) for name, argv, _ in gpu_check.steps(str(tmp_path), cpu=True))["step forms"]
-    # compile left out here: its first compilation takes a minute on a 2-core VM (the check's --cpu run has it)
-    result = run(argv + ["--forms", "eager,graph", "--warmup", "3", "--steps", "2"], timeout=180)
-    forms = json.loads((tmp_path / "step-forms.json").read_text())["forms"]
-    assert forms["eager"]["samples_per_s"] > 0 and forms["graph"]["skipped"].startswith("needs CUDA")
-    assert re.search(r"^graph +skipped: needs CUDA", result.stdout, re.M), result.stdout

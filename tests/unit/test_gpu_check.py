@@ -94,7 +94,7 @@ def test_without_pytest_the_test_steps_are_skipped_and_the_check_is_not_a_pass(t
                         lambda name: None if name == "pytest" else find_spec(name))
     real = {name: argv for name, argv, _ in gpu_check.steps(str(tmp_path), cpu=False)}
     assert real["gpu tests"] is None and real["two ranks"] is None
-    assert all(real[name] for name in ("warm up", "doctor", "step forms", "sweep"))
+    assert all(real[name] for name in ("warm up", "doctor", "sweep"))
     monkeypatch.setattr(gpu_check, "steps", lambda work, cpu: [("passes", [PY, "-c", "pass"], 30),
                                                                ("gpu tests", None, 30)])
     assert gpu_check.main(["--out", str(tmp_path / "out")]) == 1
@@ -146,18 +146,10 @@ def test_the_warm_up_comes_first_and_imports_torch_and_torchvision_and_starts_cu
     """A cold machine's first import of torch is slow: the doctor, bounded, must not be the one to pay for it."""
     for cpu in (False, True):
         planned = gpu_check.steps("/w", cpu)
-        assert [name for name, _, _ in planned] == ["warm up", "doctor", "gpu tests", "two ranks", "step forms",
-                                                   "sweep"]
+        assert [name for name, _, _ in planned] == ["warm up", "doctor", "gpu tests", "two ranks", "sweep"]
         warm_up = planned[0][1]
         assert "import torch, torchvision" in warm_up[2] and "torch.cuda.init()" in warm_up[2]
         assert warm_up[3] == ("cpu" if cpu else "cuda")  # the CPU check starts no CUDA
-
-
-def test_the_step_forms_step_writes_its_json_into_the_archive_and_on_the_cpu_takes_few_steps():
-    for cpu in (False, True):
-        argv = dict((name, argv) for name, argv, _ in gpu_check.steps("/w", cpu))["step forms"]
-        assert argv[1:3] == ["-m", "bench.measure.step_forms"] and argv[-2:] == ["--json", "/w/step-forms.json"]
-        assert ("--cpu" in argv) == cpu and ("--steps" in argv) == cpu
 
 
 def test_the_docstring_and_docs_benchmark_md_give_each_steps_projected_work_and_bound(monkeypatch):
