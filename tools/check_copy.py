@@ -39,6 +39,7 @@ BATCH, STEPS, TEST_BATCH = 8, 4, 64  # 4 steps a rank an epoch, 2 epochs
 MNIST_TRAIN, MNIST_TEST = 960, 250  # 250 test rows: 3 ranks cannot split them evenly, so padding shows
 TIMEOUT_S = 600
 AGAIN = EXIT_ABORT_AGAIN  # runs again after torch's abort at a worker's exit (EXIT_ABORT), not the copy's
+LOADER_HANG = "DataLoader timed out after"  # a loader worker stuck in its fork: docs/copying.md
 AT_ONCE = 2  # runs at a time: a short run waits mostly on its start-up, so two share 2 cores well
 SHARDS = "each rank's training shard disjoint from the others' and reshuffled every epoch"
 ROWS = "every test row scored once"
@@ -78,7 +79,8 @@ def command(script, kind, n, restarts=0):
 
 def run(script, kind, n, args, folder, restarts=0, **env):
     """(the records of the run's processes, or None if it failed; its output, or why it stopped). A run that torch
-    aborted at a worker's exit (EXIT_ABORT) runs again from an empty folder, AGAIN times at most, and says so."""
+    aborted at a worker's exit (EXIT_ABORT), or whose loader worker hung in its fork (LOADER_HANG), runs again from
+    an empty folder, AGAIN times at most, and says so."""
     hook = folder / "hook"
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HOOK), os.environ.get("PYTHONPATH")])),
            "CHECK_COPY_OUT": str(hook), "OMP_NUM_THREADS": "1", **env}
@@ -88,10 +90,11 @@ def run(script, kind, n, args, folder, restarts=0, **env):
         hook.mkdir(parents=True)
         code, timed_out = run_processes([(env, argv)], [folder / "log.txt"], TIMEOUT_S)
         log = f"timed out after {TIMEOUT_S} s" if timed_out else (folder / "log.txt").read_text(errors="replace")
-        if code == 0 or EXIT_ABORT not in log or attempt == AGAIN:
+        torch_side = next((text for text in (EXIT_ABORT, LOADER_HANG) if text in log), None)
+        if code == 0 or not torch_side or attempt == AGAIN:
             break
-        print(f"note: torch aborted a process of {script.name} at its exit ({EXIT_ABORT}), not the copy: that "
-              "run again", file=sys.stderr, flush=True)
+        print(f"note: a process of {script.name} said {torch_side!r}: torch's, not the copy's "
+              "(docs/copying.md); that run again", file=sys.stderr, flush=True)
     if code != 0:
         FAILED.append(folder / "log.txt")
     records = [json.loads(p.read_text()) for p in sorted(hook.glob("*.json"))]

@@ -140,7 +140,8 @@ def collate(batch):
 def batches(dataset, rows, batch_size, seed):  # these rows in this order; the last may be short
     seeds = torch.Generator().manual_seed(seed)  # the workers' seeds: not from dropout's RNG
     return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, generator=seeds,
-                      num_workers=2, pin_memory=torch.cuda.is_available())  # files: pinned on CUDA
+                      num_workers=2, pin_memory=torch.cuda.is_available(),  # files: pinned on CUDA
+                      timeout=120)  # s: a worker stuck at its start ends the run, not waits forever
 
 
 def load_data(args, rank, world_size, device):

@@ -88,7 +88,8 @@ def test_the_worked_copies_keep_every_guarantee(copy, copies_checked):
     restarted with dropout on, the rows coming through 2 DataLoader workers."""
     kind, lines = copies_checked[copy.name]
     assert kind == "torchrun" and all_hold(lines, 5 if copy == COPY_06 else 4), lines
-    assert "num_workers=2, pin_memory=torch.cuda.is_available())" in copy.read_text()
+    assert "num_workers=2, pin_memory=torch.cuda.is_available(),  # files: pinned on CUDA\n" \
+           "                      timeout=120)" in copy.read_text()  # docs/copying.md: a worker stuck in its fork
     said = "\n".join(line for _, line in lines)
     assert "3 disjoint shards of the 1152 rows" in said, said  # world size 3 ran; the update ran 2 and 1
     assert f"{TEST_ROWS} rows scored in each of 2 evaluations" in said, said

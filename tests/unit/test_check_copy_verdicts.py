@@ -2,8 +2,10 @@
 a copier's mistake that keeps the sizes right must still be BROKEN. The checker run on real copies:
 tests/integration/test_copying.py."""
 import sys
+import time
 
 import pytest
+import torch
 from torch.utils.data import DistributedSampler
 
 from helpers import ROOT
@@ -74,19 +76,37 @@ def test_an_update_that_cannot_match_is_not_checked_and_says_what_to_change(line
     assert held is None and said.startswith("not checked: ") and why in said and "compare" in said, said
 
 
+@pytest.mark.parametrize("said", [check_copy.EXIT_ABORT, check_copy.LOADER_HANG])
 @pytest.mark.parametrize("aborts", [check_copy.AGAIN, check_copy.AGAIN + 1])
-def test_a_run_torch_aborts_at_exit_runs_again_from_an_empty_folder_at_most_again_times(aborts, tmp_path):
-    """torch's exit abort after a good run (06's worked copy, once in a whole-suite run) is not the copy's: the
-    checker runs it again, with none of the aborted attempt's files, AGAIN times at most; then it counts."""
+def test_a_run_torch_aborts_at_exit_runs_again_from_an_empty_folder_at_most_again_times(aborts, said, tmp_path):
+    """torch's exit abort after a good run (06's worked copy, once in a whole-suite run), and a loader worker
+    stuck in its fork (the 03-form copy, once), are not the copy's: the checker runs it again, with none of the
+    failed attempt's files, AGAIN times at most; then it counts."""
     count, folder = tmp_path / "count", tmp_path / "run"
     copy = tmp_path / "copy.py"
     copy.write_text(f"import os, sys\nif os.path.exists({str(folder / 'leftover')!r}):\n    sys.exit(5)\n"
                     f"open({str(folder / 'leftover')!r}, 'w').close()\nwith open({str(count)!r}, 'a') as f:\n"
                     f"    f.write('.')\nif len(open({str(count)!r}).read()) <= {aborts}:\n"
-                    f"    sys.stderr.write({check_copy.EXIT_ABORT!r})\n    sys.exit(1)\n")
+                    f"    sys.stderr.write({said!r})\n    sys.exit(1)\n")
     records, log = check_copy.run(copy, "single", 1, [], folder)
     assert count.read_text() == "." * min(aborts + 1, check_copy.AGAIN + 1), log
     if aborts <= check_copy.AGAIN:  # it ran: the hook's record of the last attempt alone
         assert records is not None and len(records) == 1, log
     else:
         assert records is None, log
+
+
+
+class Stuck(torch.utils.data.Dataset):  # a worker that never answers in time, as one stuck in its fork
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, row):
+        time.sleep(30)
+        return row
+
+
+def test_a_loader_worker_that_never_answers_ends_the_run_with_the_words_the_checker_runs_again_on():
+    """The worked copies' DataLoader(timeout=120): torch's error must say LOADER_HANG, or no run would run again."""
+    with pytest.raises(RuntimeError, match=check_copy.LOADER_HANG):
+        next(iter(torch.utils.data.DataLoader(Stuck(), 2, num_workers=1, timeout=1)))
