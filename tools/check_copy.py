@@ -40,6 +40,7 @@ MNIST_TRAIN, MNIST_TEST = 960, 250  # 250 test rows: 3 ranks cannot split them e
 TIMEOUT_S = 600
 AGAIN = EXIT_ABORT_AGAIN  # runs again after torch's abort at a worker's exit (EXIT_ABORT), not the copy's
 LOADER_HANG = "DataLoader timed out after"  # a loader worker stuck in its fork: docs/copying.md
+TORCH_SIDE = (EXIT_ABORT, LOADER_HANG)  # what a run says when torch, not the copy, broke it
 AT_ONCE = 2  # runs at a time: a short run waits mostly on its start-up, so two share 2 cores well
 SHARDS = "each rank's training shard disjoint from the others' and reshuffled every epoch"
 ROWS = "every test row scored once"
@@ -90,7 +91,7 @@ def run(script, kind, n, args, folder, restarts=0, **env):
         hook.mkdir(parents=True)
         code, timed_out = run_processes([(env, argv)], [folder / "log.txt"], TIMEOUT_S)
         log = f"timed out after {TIMEOUT_S} s" if timed_out else (folder / "log.txt").read_text(errors="replace")
-        torch_side = next((text for text in (EXIT_ABORT, LOADER_HANG) if text in log), None)
+        torch_side = next((text for text in TORCH_SIDE if text in log), None)
         if code == 0 or not torch_side or attempt == AGAIN:
             break
         print(f"note: a process of {script.name} said {torch_side!r}: torch's, not the copy's "

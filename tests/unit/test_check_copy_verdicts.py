@@ -78,7 +78,7 @@ def test_an_update_that_cannot_match_is_not_checked_and_says_what_to_change(line
 
 @pytest.mark.parametrize("said", [check_copy.EXIT_ABORT, check_copy.LOADER_HANG])
 @pytest.mark.parametrize("aborts", [check_copy.AGAIN, check_copy.AGAIN + 1])
-def test_a_run_torch_aborts_at_exit_runs_again_from_an_empty_folder_at_most_again_times(aborts, said, tmp_path):
+def test_a_run_torch_breaks_runs_again_from_an_empty_folder_at_most_again_times(aborts, said, tmp_path):
     """torch's exit abort after a good run (06's worked copy, once in a whole-suite run), and a loader worker
     stuck in its fork (the 03-form copy, once), are not the copy's: the checker runs it again, with none of the
     failed attempt's files, AGAIN times at most; then it counts."""
@@ -96,13 +96,12 @@ def test_a_run_torch_aborts_at_exit_runs_again_from_an_empty_folder_at_most_agai
         assert records is None, log
 
 
-
 class Stuck(torch.utils.data.Dataset):  # a worker that never answers in time, as one stuck in its fork
     def __len__(self):
         return 2
 
     def __getitem__(self, row):
-        time.sleep(30)
+        time.sleep(1.5)  # 3 s a batch: past the loader's timeout of 1 s, and its worker ends soon after
         return row
 
 
