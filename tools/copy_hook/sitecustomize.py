@@ -14,6 +14,9 @@ exits (DataLoader workers, forks of it, write nothing):
   forward pass (outermost, in train mode, with gradients) of torchrun's first attempt, as a failing machine would,
   if it has written CHECK_COPY_SNAPSHOT by then; first it writes killed-PID.json. Forward passes in DataLoader
   workers (a transform that is an nn.Module) are not training steps: only the process itself counts.
+
+With ANATOMY_OUT set instead, it runs bench/anatomy_hook.py, the profiler of bench/anatomy.py: one start-up
+hook for both tools.
 """
 import atexit
 import builtins
@@ -128,3 +131,7 @@ def _install():
 
 if OUT:
     _install()
+
+# bench/anatomy.py measures a script's steps through this same hook.
+if os.environ.get("ANATOMY_OUT"):
+    runpy.run_path(os.path.join(_here, os.pardir, os.pardir, "bench", "anatomy_hook.py"), run_name="anatomy_hook")

@@ -1,0 +1,114 @@
+"""The step anatomy of the scripts, run as a user runs it: bytes per step equal a closed form from the model's
+shapes and the batch, and the four parts of the time add up to the step. unit/test_step_anatomy_reading.py
+checks the reading of traces on traces written by hand."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from bench.family import load_script
+from helpers import ROOT
+
+B = 32  # per device; not the default 64, so that a form that ignores the batch fails
+FLOAT = 4
+
+
+def layers(tp=1):
+    """[[shape of each parameter] per layer] of the model, with tensor parallelism's slices at tp ranks."""
+    net = load_script("01_single_gpu.py").Net()
+    shapes = [[list(p.shape) for p in layer.parameters()] for layer in net.children()]
+    shapes = [s for s in shapes if s]
+    fc1, fc2 = shapes[2], shapes[3]
+    fc1[0][0], fc1[1][0] = fc1[0][0] // tp, fc1[1][0] // tp  # fc1 by columns: its outputs, and its bias
+    fc2[0][1] //= tp  # fc2 by rows: its inputs; its bias stays whole
+    return shapes
+
+
+def shard(shape, n):  # FSDP2 cuts dim 0 into n pieces of ceil(rows / n), padding the last
+    return math.ceil(shape[0] / n) * math.prod(shape[1:])
+
+
+def fsdp(n, tp=1):
+    """gloo's form of FSDP2's step at n ranks: an all-gather of each layer's shard before its forward and again
+    before its backward; gloo has no reduce-scatter, so each layer's gradient is an all-reduce of the whole
+    padded buffer. NCCL reduce-scatters instead: each rank hands in the whole, gets 1/n back."""
+    shards = [sum(shard(p, n) for p in layer) for layer in layers(tp)]
+    return {"all_gather": dict(calls=2 * len(shards), in_bytes=2 * sum(shards) * FLOAT,
+                               out_bytes=2 * n * sum(shards) * FLOAT),
+            "all_reduce": dict(calls=len(shards), in_bytes=n * sum(shards) * FLOAT,
+                               out_bytes=n * sum(shards) * FLOAT)}
+
+
+def tensor_parallel():  # fc2's partial outputs in forward, fc1's input gradient in backward: B x 10, B x 9216
+    floats = B * 10 + B * 9216
+    return {"all_reduce": dict(calls=2, in_bytes=floats * FLOAT, out_bytes=floats * FLOAT)}
+
+
+def added(a, b):
+    return {k: {f: a.get(k, {}).get(f, 0) + b.get(k, {}).get(f, 0) for f in ("calls", "in_bytes", "out_bytes")}
+            for k in a.keys() | b.keys()}
+
+
+def ddp():  # the whole gradient, each step, whatever its buckets: 1,199,882 floats
+    floats = sum(math.prod(p) for layer in layers() for p in layer)
+    assert floats == 1_199_882
+    return {"all_reduce": dict(in_bytes=floats * FLOAT, out_bytes=floats * FLOAT)}
+
+
+def pipeline(rank, m):  # B x 9216 activations forward and as many gradients back, in m pieces; the loss broadcast
+    sent = dict(calls=m, in_bytes=B * 9216 * FLOAT, out_bytes=0)
+    received = dict(calls=m, in_bytes=0, out_bytes=B * 9216 * FLOAT)
+    return {"send": sent, "recv": received, "broadcast": dict(calls=1, in_bytes=FLOAT, out_bytes=FLOAT)}
+
+
+def anatomy(tmp_path, script, n, *flags):
+    out = tmp_path / script[:2]
+    argv = [sys.executable, "bench/anatomy.py", script, "--nproc", str(n), "--batch-size", str(B), "--out", str(out)]
+    done = subprocess.run(argv + (["--", *flags] if flags else []), cwd=ROOT, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (out / "timeline.png").stat().st_size > 0
+    assert all((out / f"trace-rank{r}.json.gz").exists() for r in range(n))
+    return json.loads((out / "anatomy.json").read_text())
+
+
+def assert_adds_up(result):
+    for rank in result["per_rank"]:
+        assert rank["flops_per_step"] > 0
+        for step in rank["steps"]:
+            parts = sum(step[k] for k in ("compute_ms", "overlapped_comm_ms", "exposed_comm_ms", "idle_ms"))
+            assert abs(parts - step["step_ms"]) <= 0.05 * step["step_ms"], step
+
+
+CASES = {"03": ("03_ddp_launch.py", 2, lambda r: ddp()), "08": ("08_fsdp.py", 2, lambda r: fsdp(2)),
+         "09": ("09_tensor_parallel.py", 2, lambda r: tensor_parallel()),
+         "10": ("10_pipeline_parallel.py", 2, lambda r: pipeline(r, 4)),
+         "11": ("11_fsdp_tp_mesh.py", 4, lambda r: added(tensor_parallel(), fsdp(2, tp=2)))}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_bytes_of_a_step_are_the_closed_form(tmp_path, case):
+    script, n, form = CASES[case]
+    result = anatomy(tmp_path, script, n)
+    assert len(result["per_rank"]) == n
+    for rank in result["per_rank"]:
+        assert len(rank["steps"]) == 3
+        for step in rank["steps"]:
+            expected = form(rank["rank"])
+            measured = {k: {f: v[f] for f in expected[k]} for k, v in step["collectives"].items()} \
+                if set(step["collectives"]) == set(expected) else step["collectives"]
+            assert measured == expected, f"rank {rank['rank']}"
+    assert_adds_up(result)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_pipeline_bubble_is_measured(tmp_path, schedule):
+    """10's idle share of the step at m = 8 is reported; the pages set it beside (p - 1) / (m + p - 1)."""
+    result = anatomy(tmp_path, "10_pipeline_parallel.py", 2, "--microbatches", "8", "--schedule", schedule)
+    for rank in result["per_rank"]:
+        assert all(step["collectives"]["send"]["calls"] == 8 for step in rank["steps"])
+    assert_adds_up(result)
+    stage_1 = result["per_rank"][1]["steps"]
+    assert sum(s["idle_ms"] for s in stage_1) > 0  # stage 1 waits for stage 0's first microbatch
