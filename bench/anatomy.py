@@ -25,7 +25,7 @@ from bench.commands import commands  # noqa: E402
 from bench.family import MODES, by_script  # noqa: E402
 from bench.flags import BadArgument, Parser, in_range  # noqa: E402
 from bench.outputs import write_atomically, write_json  # noqa: E402
-from bench.plan import Run, Settings  # noqa: E402
+from bench.plan import Run, Settings, device_counts  # noqa: E402
 from bench.processes import log_tail, run_processes  # noqa: E402
 
 SKIP = 3  # steps left out before the profiled ones: the first pay for allocation and warm-up
@@ -37,6 +37,7 @@ BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int"
 WAITS = ("gloo:", "wait_tensor", "c10d::wait", "ProcessGroup::wait")
 KINDS = {"forward": "tab:blue", "backward": "tab:orange", "optimizer": "tab:green", "data": "tab:purple",
          "idle": "0.85"}
+PARTS = ("compute_ms", "overlapped_comm_ms", "exposed_comm_ms", "idle_ms")
 COLLECTIVE_COLOURS = ["tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "black"]
 
 
@@ -272,9 +273,9 @@ def parser():
     return p
 
 
-def measure(mode, n, steps, batch_size, out_dir, script_flags=(), timeout=300.0, cpu=True):
-    """Run the script under the profiler; anatomy.json's object. cpu False: the GPUs 0..n-1."""
-    settings = Settings(gpus=[] if cpu else [str(i) for i in range(n)], max_n=n, per_device_batches=[batch_size],
+def measure(mode, n, steps, batch_size, out_dir, script_flags=(), timeout=300.0, gpus=()):
+    """Run the script under the profiler, on the CPU or on gpus[:n]; anatomy.json's object."""
+    settings = Settings(gpus=list(gpus[:n]), max_n=n, per_device_batches=[batch_size],
                         epochs=1, epoch_images=0, test_batch_size=1000, seed=1, synthetic=True, data_dir="data",
                         target_acc=0.98, timeout=timeout, cores=os.cpu_count() or 1)
     flags = ("--max-steps", str(SKIP + steps + 1), "--log-interval", "0", *script_flags)
@@ -301,9 +302,64 @@ def measure(mode, n, steps, batch_size, out_dir, script_flags=(), timeout=300.0,
     write_json(os.path.join(out_dir, "anatomy.json"), result)
     draw_timeline(os.path.join(out_dir, "timeline.png"), parts,
                   f"{mode.script} at n = {n}, {steps} steps, {record['device_type']}")
-    for path in [*logs, os.path.join(out_dir, "metrics.json")]:
-        os.remove(path)
+    for path in [*logs, os.path.join(out_dir, "metrics.json"), os.path.join(out_dir, "snapshot.pt")]:
+        if os.path.exists(path):  # 06 alone writes a snapshot
+            os.remove(path)
     return result
+
+
+# ---- run_all.py --anatomy: every mode's step, side by side.
+
+def sweep_n(mode, settings):
+    """The sweep's largest n at which the mode runs; on the CPU past the sweep if none (11 at 4): None if not."""
+    fits = [n for n in device_counts(settings.max_n) if mode.runs_with(n, settings.cpu)]
+    beyond = [n for n in range(settings.max_n + 1, 9) if settings.cpu and mode.runs_with(n, True)]
+    return max(fits) if fits else (beyond or [None])[0]
+
+
+def sweep(modes, settings, out_dir):
+    """Each mode's step into out_dir/anatomy/NN and anatomy.png; (a row a mode, what could not be measured)."""
+    rows, failed = [], []
+    for mode in [MODES[m] for m in modes]:
+        n = sweep_n(mode, settings)
+        if n is None:
+            failed.append(f"{mode.script}'s step ({mode.why})")
+            continue
+        print(f"the anatomy of {mode.script}'s step at n = {n}", flush=True)
+        try:
+            result = measure(mode, n, 3, settings.per_device_batches[-1], os.path.join(out_dir, "anatomy",
+                             mode.number), timeout=300.0, gpus=settings.gpus)
+        except BadArgument as e:
+            failed.append(f"{mode.script}'s step ({str(e).splitlines()[0]})")
+            continue
+        steps = [s for rank in result["per_rank"] for s in rank["steps"]]
+        row = dict(mode=mode.name, number=mode.number, n=n)
+        for key in ("step_ms", *PARTS, "in_bytes", "out_bytes"):
+            row[key] = sum(s.get(key, 0) + sum(c.get(key, 0) for c in s["collectives"].values())
+                           for s in steps) / len(steps)
+        rows.append(row)
+    if rows:
+        draw_bars(os.path.join(out_dir, "anatomy.png"), rows)
+    return rows, failed
+
+
+def draw_bars(path, rows):
+    """One bar a mode: its mean step on a rank, in its four parts; the bytes a rank hands in and gets out."""
+    from matplotlib.figure import Figure
+    ax = Figure(figsize=(10, 1 + 0.5 * len(rows))).subplots()
+    labels = [f"{r['number']} {r['mode']}, n = {r['n']}" for r in reversed(rows)]
+    left = [0.0] * len(rows)
+    for part, colour in zip(PARTS, ["tab:blue", "tab:cyan", "tab:red", KINDS["idle"]]):
+        widths = [r[part] for r in reversed(rows)]
+        ax.barh(labels, widths, left=left, color=colour, label=part[:-3].replace("_", " "))
+        left = [a + b for a, b in zip(left, widths)]
+    for y, r in enumerate(reversed(rows)):
+        ax.text(left[y], y, f"  {r['in_bytes'] / 1e6:.2f} MB in, {r['out_bytes'] / 1e6:.2f} MB out", va="center",
+                fontsize=8)
+    ax.set(title="One step on a rank: where its time goes, what it moves", xlabel="ms (mean of ranks and steps)",
+           xlim=(0, 1.35 * max(left)))
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    write_atomically(path, lambda tmp: ax.figure.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
 
 
 def summary_lines(result):
@@ -333,7 +389,7 @@ def main(argv=None):
         cpu = "--cpu" in theirs or torch.cuda.device_count() < args.nproc
         out = args.out or os.path.join("anatomy", script[:2])
         result = measure(mode, args.nproc, args.steps, args.batch_size, out, [f for f in theirs if f != "--cpu"],
-                         args.timeout, cpu)
+                         args.timeout, [] if cpu else [str(i) for i in range(args.nproc)])
     except BadArgument as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

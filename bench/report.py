@@ -19,7 +19,8 @@ FIRSTS = ["world_size", "nodes", "global_batch", "loader_batch", "device_type"]
 MEDIANS = ["samples_per_s", "time_to_target_s", "test_accuracy", "test_loss", "peak_memory_bytes", "wall_s"]
 FORMATS = dict(dict.fromkeys(["speedup", "speed_ratio", "wall_ratio"], "{:.2f}x".format), bubble="{:.0%}".format,
                efficiency="{:.1%}".format, test_accuracy="{:.2%}".format, pct_of_limit="{:.0%}".format,
-               accuracy_diff=lambda v: f"{100 * v:+.2f} pp", peak_memory_bytes=lambda v: f"{v / 2**20:.0f} MiB")
+               accuracy_diff=lambda v: f"{100 * v:+.2f} pp", peak_memory_bytes=lambda v: f"{v / 2**20:.0f} MiB",
+               in_bytes="{:,.0f}".format, out_bytes="{:,.0f}".format)
 SUMMARY_VIEW = dict(variant="variant", mode="mode", n="n", runs="runs", world_size="world size",
                     global_batch="global batch", samples_per_s="samples/s", bubble="pipeline bubble",
                     speedup="speed-up vs 01", efficiency="efficiency E(n)", time_to_target_s="time to target (s)",
@@ -29,6 +30,9 @@ VERSUS_VIEW = dict(variant="variant", per_device_batch="per-GPU batch", mode="mo
                    samples_per_s_ref="{} samples/s", samples_per_s="samples/s", speed_ratio="samples/s ratio",
                    wall_s_ref="{} wall (s)", wall_s="wall (s)", wall_ratio="wall-time ratio",
                    accuracy_diff="accuracy change")
+ANATOMY_VIEW = dict(number="script", mode="mode", n="n", step_ms="step (ms)", compute_ms="compute",
+                   overlapped_comm_ms="overlapped", exposed_comm_ms="exposed", idle_ms="idle",
+                   in_bytes="bytes in", out_bytes="bytes out")
 RULES_VIEW = dict(script="script", mode="mode", rule="batch at n", exchanged="exchanged in a step")
 LIMIT_VIEW = dict(variant="variant", mode="mode", n="n", per_device_batch="B", samples_per_s="measured samples/s",
                   t1_ms="t1 (ms)", t_ar_ms="t_ar (ms)", x_serial="X_serial", x_overlap="X_overlap",
@@ -177,6 +181,8 @@ def write_report(out_dir, runs, summary, env, settings, left_out, plots):
         blocks += [BLOCKS[MODES[name].limit_note] for name in limits.loc[limits["n"] > 1, "mode"].unique()
                    if MODES[name].limit_note]
         blocks += [BLOCKS["limit_cpu"].format(cores=settings.cores)] if settings.cpu else []
+    if env.get("anatomy"):  # run_all.py --anatomy
+        blocks.append(BLOCKS["anatomy"].format(table=markdown(pd.DataFrame(env["anatomy"]), ANATOMY_VIEW)))
     blocks.append(BLOCKS["plots"].format(images="\n\n".join(BLOCKS["plot"].format(name=name, title=title)
                                                             for name, title in plots)))
     busy = [f"- {row['run_id']}: {row['busy_before']}" for _, row in runs.iterrows()

@@ -62,6 +62,8 @@ def parser():
     again = p.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="keep the ok runs already in --out, do the rest")
     again.add_argument("--force", action="store_true", help="replace the results already in --out")
+    p.add_argument("--anatomy", action="store_true", help="then profile 3 steps of each mode at the largest n: "
+                   "what it moves, where its time goes (bench/anatomy.py), in the report")
     p.add_argument("--dry-run", action="store_true", help="print the planned runs and a rough duration only")
     return p
 
@@ -187,6 +189,12 @@ def main(argv=None):
         write_json(os.path.join(out_dir, "env.json"), env)
         broken = measurements.failed_collectives(env["allreduce"])
         write_runs(out_dir, sweep.run_plan(runs, done, settings, out_dir, broken))
+        if args.anatomy:  # after the sweep, which it would slow down
+            from bench import anatomy
+            env["anatomy"], failed = anatomy.sweep([m for m in args.modes if not plan.unavailable_reason(m)],
+                                                   settings, out_dir)
+            left_out += failed
+            write_json(os.path.join(out_dir, "env.json"), env)
         frame = write_report(out_dir, env, settings, left_out)
     except KeyboardInterrupt:
         print(f"\ninterrupted: the finished runs are in {out_dir}/runs.csv; add --resume to continue", file=sys.stderr)

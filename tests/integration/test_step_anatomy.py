@@ -112,3 +112,17 @@ def test_the_pipeline_bubble_is_measured(tmp_path, schedule):
     assert_adds_up(result)
     stage_1 = result["per_rank"][1]["steps"]
     assert sum(s["idle_ms"] for s in stage_1) > 0  # stage 1 waits for stage 0's first microbatch
+
+
+def test_the_harness_adds_each_modes_step_to_its_report(tmp_path):
+    """run_all.py --anatomy: after the sweep, 03's step at n = 2 in anatomy/03, the figure and the table."""
+    argv = [sys.executable, "bench/run_all.py", "--cpu", "2", "--modes", "03", "--synthetic", "--epochs", "1",
+            "--epoch-images", "640", "--anatomy", "--out", str(tmp_path)]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert all((tmp_path / "anatomy" / "03" / f"trace-rank{r}.json.gz").exists() for r in range(2))
+    assert (tmp_path / "anatomy.png").stat().st_size > 0
+    report = (tmp_path / "report.md").read_text()
+    row = next(line for line in report.splitlines() if line.startswith("| 03 | ddp_launch | 2 |"))
+    assert row.endswith(f"| {4 * 1_199_882:,} | {4 * 1_199_882:,} |"), row
+    assert "![One step of each mode on a rank](anatomy.png)" in report

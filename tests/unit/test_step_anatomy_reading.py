@@ -1,5 +1,6 @@
 """bench/anatomy.py's reading of traces, on traces written here: the four parts of a step, a wait on another rank
 against a wait on the network, gloo's and NCCL's bytes. tests/integration/test_step_anatomy.py runs the scripts."""
+import dataclasses
 import gzip
 import json
 import os
@@ -95,3 +96,14 @@ def test_bad_input_is_one_line(capsys):
     assert anatomy.main(["03_ddp_launch.py", "--steps", "0"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 3 and all(line.startswith("error: ") for line in lines)
+
+
+def test_the_harness_measures_each_mode_at_the_largest_n_it_ran():
+    from bench.family import MODES
+    from bench.plan import Settings
+    cpu = Settings(gpus=[], max_n=2, per_device_batches=[64], epochs=1, epoch_images=0, test_batch_size=1000, seed=1,
+                   synthetic=True, data_dir="data", target_acc=0.98, timeout=None, cores=2)
+    gpus = dataclasses.replace(cpu, gpus=["0", "1", "2"], max_n=3)
+    assert [anatomy.sweep_n(MODES[m], cpu) for m in ("single", "dp", "ddp_launch", "fsdp_tp")] == [1, 1, 2, 4]
+    # On three GPUs: 02 at 3, 09 at 2 (128 / 3 is not whole), and 11 cannot run on 4 of them.
+    assert [anatomy.sweep_n(MODES[m], gpus) for m in ("dp", "tensor_parallel", "fsdp_tp")] == [3, 2, None]
