@@ -15,6 +15,7 @@ RESULTS = ROOT / "results"
 CPU, H200, PIPELINE = RESULTS / "cpu-2core-amd-epyc", RESULTS / "1x-nvidia-h200-gpu-check", RESULTS / "cpu-pipeline"
 FIRST_RUN = RESULTS / "first-run"
 MODEL_PARALLEL = RESULTS / "cpu-2core-amd-epyc-model-parallel"  # 01, 09, 10 and 11, one epoch
+ANATOMY = RESULTS / "cpu-2core-amd-epyc-anatomy" / "anatomy"  # run_all.py --anatomy: each mode's step
 
 # Figures the README takes from elsewhere, each with its source in the sentence, or that are definitions and
 # arithmetic rather than measurements.
@@ -78,7 +79,7 @@ def measured(cpu_dir=CPU):
     graph = forms["graph"]["samples_per_s"] / forms["eager"]["samples_per_s"]
     stages = record(MODEL_PARALLEL / "metrics" / "pipeline_parallel-n2-b64-r1.json")["epochs_detail"][-1]
     stage_1 = stages["bytes_per_rank"][1] / sum(stages["bytes_per_rank"])
-    return [
+    return anatomy_cells() + [
         f"stage 1 holds {stage_1:.0%} of the weights",
         f"those 200 steps of 64 images were {200 * 64 / first_run_speed('01_single_gpu'):.0f} s of training at "
         f"{first_run_speed('01_single_gpu')} samples/s",
@@ -97,6 +98,23 @@ def measured(cpu_dir=CPU):
         f"({amp / fp32:.2f}x and {compiled / fp32:.2f}x on the H200, {mean(cpu_amp) / mean(cpu_fp32):.2f}x "
         f"and {mean(cpu_compile) / mean(cpu_fp32):.2f}x on the CPU",
     ]
+
+
+def handed_in(number):
+    """{collective: MB} that rank 0 hands in, in the committed anatomy's first profiled step."""
+    moved = record(ANATOMY / number / "anatomy.json")["per_rank"][0]["steps"][0]["collectives"]
+    return {name: f"{c['in_bytes'] / 1e6:.2f} MB" for name, c in moved.items()}
+
+
+def anatomy_cells():
+    """The README's column "measured with --anatomy": what a rank hands in per step."""
+    ddp, fsdp, tp, pp, mesh = (handed_in(n) for n in ("03", "08", "09", "10", "11"))
+    received = record(ANATOMY / "10" / "anatomy.json")["per_rank"][0]["steps"][0]["collectives"]["recv"]
+    return [f"| {ddp['all_reduce']} to all-reduces |",
+            f"| {fsdp['all_gather']} to all-gathers, {fsdp['all_reduce']} to all-reduces: gloo's reduce-scatter |",
+            f"| {tp['all_reduce']} to all-reduces |",
+            f"| {pp['send']} sent, {received['out_bytes'] / 1e6:.2f} MB received |",
+            f"| at n = 4: {mesh['all_gather']} to all-gathers, {mesh['all_reduce']} to all-reduces |"]
 
 
 def readme_text():
