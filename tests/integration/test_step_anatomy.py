@@ -84,14 +84,14 @@ def assert_adds_up(result):
 
 CASES = {"03": ("03_ddp_launch.py", 2, lambda r: ddp()), "08": ("08_fsdp.py", 2, lambda r: fsdp(2)),
          "09": ("09_tensor_parallel.py", 2, lambda r: tensor_parallel()),
-         "10": ("10_pipeline_parallel.py", 2, lambda r: pipeline(r, 4)),
+         "10": ("10_pipeline_parallel.py", 2, lambda r: pipeline(r, 8)),
          "11": ("11_fsdp_tp_mesh.py", 4, lambda r: added(tensor_parallel(), fsdp(2, tp=2)))}
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_the_bytes_of_a_step_are_the_closed_form(tmp_path, case):
     script, n, form = CASES[case]
-    result = anatomy(tmp_path, script, n)
+    result = anatomy(tmp_path, script, n, *(["--microbatches", "8"] if case == "10" else []))
     assert len(result["per_rank"]) == n
     for rank in result["per_rank"]:
         assert len(rank["steps"]) == 3
@@ -101,17 +101,8 @@ def test_the_bytes_of_a_step_are_the_closed_form(tmp_path, case):
                 if set(step["collectives"]) == set(expected) else step["collectives"]
             assert measured == expected, f"rank {rank['rank']}"
     assert_adds_up(result)
-
-
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_the_pipeline_bubble_is_measured(tmp_path, schedule):
-    """10's idle share of the step at m = 8 is reported; the pages set it beside (p - 1) / (m + p - 1)."""
-    result = anatomy(tmp_path, "10_pipeline_parallel.py", 2, "--microbatches", "8", "--schedule", schedule)
-    for rank in result["per_rank"]:
-        assert all(step["collectives"]["send"]["calls"] == 8 for step in rank["steps"])
-    assert_adds_up(result)
-    stage_1 = result["per_rank"][1]["steps"]
-    assert sum(s["idle_ms"] for s in stage_1) > 0  # stage 1 waits for stage 0's first microbatch
+    if case == "10":  # the bubble: stage 1 waits for stage 0's first microbatch (docs/benchmark.md measures it)
+        assert sum(s["idle_ms"] for s in result["per_rank"][1]["steps"]) > 0
 
 
 def test_the_harness_adds_each_modes_step_to_its_report(tmp_path):
