@@ -334,9 +334,9 @@ def sweep(modes, settings, out_dir):
             continue
         steps = [s for rank in result["per_rank"] for s in rank["steps"]]
         row = dict(mode=mode.name, number=mode.number, n=n)
-        for key in ("step_ms", *PARTS, "in_bytes", "out_bytes"):
-            row[key] = sum(s.get(key, 0) + sum(c.get(key, 0) for c in s["collectives"].values())
-                           for s in steps) / len(steps)
+        row.update({key: sum(s[key] for s in steps) / len(steps) for key in ("step_ms", *PARTS)})
+        row.update({key: sum(c[key] for s in steps for c in s["collectives"].values()) / len(steps)
+                    for key in ("in_bytes", "out_bytes")})
         rows.append(row)
     if rows:
         draw_bars(os.path.join(out_dir, "anatomy.png"), rows)
