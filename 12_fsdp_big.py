@@ -246,7 +246,7 @@ def resume(args, world, model, optimizer, scheduler, layout):  # 12: (epoch, ste
             torch.get_device_module(world.device).set_rng_state(gpu_rng)
     else:  # other ranks: other masks, and an equal share of the loss so far
         loss_sum = sum(loss for _, _, loss in state["rngs"]) / len(state["rngs"])
-    print(f"rank {world.rank} resumes {state['shards']}: epoch {state['epoch']}, step {state['step']}")
+    print(f"resuming from {state['shards']}: epoch {state['epoch']}, step {state['step']}")
     return state["epoch"], state["step"], loss_sum
 
 
@@ -287,8 +287,6 @@ def run(args, world):
             os.replace(f"{args.snapshot}.tmp", args.snapshot)  # the switch, in one step
             for old in set(glob.glob(glob.escape(args.snapshot) + ".epoch*")) - {shards}:  # then
                 shutil.rmtree(old)  # the older shards go: one snapshot is kept
-        return shards
-
     started = time.perf_counter()  # measure
     epoch0, step0, sum0 = resume(args, world, model, optimizer, scheduler, layout)  # 12
     load_s = time.perf_counter() - started  # measure
@@ -317,10 +315,10 @@ def run(args, world):
         if world.is_main:
             torch.save(weights, args.save_model)
     started = time.perf_counter()  # measure
-    shards = save(args.epochs + 1, 0)  # 12: after the weights; a restart before redoes the epoch
-    sizes = {f.name: f.stat().st_size for f in os.scandir(shards)} if shards else {}  # __R_0.distcp
-    epochs[-1].update(snapshot_bytes=sizes, snapshot_load_s=load_s,  # measure
-                      snapshot_save_s=time.perf_counter() - started)  # measure: the last save
+    save(args.epochs + 1, 0)  # 12: after the weights; a restart before it redoes the last epoch
+    shards = glob.glob(glob.escape(str(args.snapshot)) + ".epoch*/__*")  # measure: __R_0.distcp
+    epochs[-1].update(snapshot_bytes={os.path.basename(f): os.path.getsize(f) for f in shards},
+                      snapshot_load_s=load_s, snapshot_save_s=time.perf_counter() - started)
     write_record(args.metrics_json, args, world, epochs)  # measure
 
 
