@@ -333,7 +333,6 @@ def held_bytes(model, optimizer, world):  # FSDP: what each rank holds, and DDP'
     return dict(bytes_per_rank=held.tolist(), full_copy_bytes=full)  # measure
 
 
-
 # ---- Measurement, for bench/ alone: delete it to `if __name__`, and the lines marked # measure.
 WARMUP_STEPS = 5  # left out of samples_per_s: the first steps pay for allocation and kernel choice
 

@@ -122,6 +122,9 @@ MODES = {mode.name: mode for mode in [
          runs_with=lambda n, cpu: n % 4 == 0, why="11 needs a 2 x 2 mesh or larger: n a multiple of 4",
          collectives="09's two all-reduces within each pair of tensor-parallel ranks; across the n / 2 pairs "
                      "08's all-gather of each layer's weights and reduce-scatter of its gradients"),
+    Mode("fsdp_big", "12_fsdp_big.py", "08_fsdp.py", "12", 130, 400, TORCHRUN, snapshot=True, sharded=True,
+         flags=("--snapshot", "--snapshot-every", "--mixed-precision", "--checkpoint-activations"),
+         versus_parent=True, collectives="as 08; its snapshots: each rank writes its own shards"),
 ]}
 
 
