@@ -29,7 +29,7 @@ def environments(gpus):
 
 @pytest.mark.parametrize("gpus", [[], ["0", "1"]], ids=["cpu", "gpus"])
 def test_on_windows_exactly_the_torchrun_runs_get_use_libuv_0(gpus, monkeypatch):
-    assert sorted(TORCHRUN_MODES) == ["ddp_fault_tolerant", "ddp_launch", "fsdp", "fsdp_tp", "pipeline_parallel",
+    assert sorted(TORCHRUN_MODES) == ["ddp_fault_tolerant", "ddp_launch", "fsdp", "fsdp_big", "fsdp_tp", "pipeline_parallel",
                                       "tensor_parallel"]  # 03 06 08 11 10 09
     monkeypatch.setattr(os, "name", "nt")
     on_windows = environments(gpus)
