@@ -173,7 +173,7 @@ def load_data(args, rank, world_size, device):
     steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))  # full batches
     if steps == 0:
         sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(sampler)} samples")
-    def training(epoch, first=0):  # 12: a resumed epoch goes on from step first, in the same order
+    def training(epoch, first):  # 12: a resumed epoch goes on from step first, in the same order
         sampler.set_epoch(epoch)  # a new shuffle of all the training samples every epoch
         order = list(sampler)[first * args.batch_size:steps * args.batch_size]  # 12
         return batches(train_set, order, args.batch_size, args.seed + epoch)
@@ -280,7 +280,7 @@ def run(args, world):
         shards = f"{args.snapshot}.epoch{epoch}-step{step}"  # beside the last: a kill leaves it be
         weights, moments = get_state_dict(model, optimizer)  # this rank's shards, as DTensors
         dcp.save(dict(model=weights, optimizer=moments), storage_writer=dcp.FileSystemWriter(
-            shards, overwrite=True))  # each rank writes its own file; torch 2.16's default is False
+            shards, overwrite=True))  # each rank its own file; passed: the default changes
         if world.is_main:  # the rest, and which shards are the last: one small file, as in 06
             state = dict(scheduler=scheduler.state_dict(), epoch=epoch, step=step, rngs=rngs)
             torch.save(dict(state, layout=layout, shards=shards), f"{args.snapshot}.tmp")

@@ -144,11 +144,11 @@ def check_rows(records, log, test_rows, evaluations=2):
 
 def check_writes(records):
     """Only rank 0 writes, but for each rank's own shard file of a sharded snapshot (12's DCP: __R_0.distcp)."""
-    others = sorted({w["path"] for r in records for w in r["writes"] if w["rank"] != 0
-                     and not re.fullmatch(rf"__{w['rank']}_\d+\.distcp", os.path.basename(w["path"]))})
-    shards = any(w["rank"] != 0 for r in records for w in r["writes"])
+    written = {(w["rank"], w["path"]) for r in records for w in r["writes"] if w["rank"] != 0}
+    others = sorted(path for rank, path in written
+                    if not re.fullmatch(rf"__{rank}_\d+\.distcp", os.path.basename(path)))
     return (False, f"rank != 0 wrote {others[0]}") if others else (
-        True, "only rank 0 wrote, but each rank its own shard files" if shards else "only rank 0 wrote")
+        True, "only rank 0 wrote, but each rank its own shard files" if written else "only rank 0 wrote")
 
 
 def cannot_match(source):
