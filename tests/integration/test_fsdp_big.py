@@ -8,9 +8,11 @@ import signal
 
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from helpers import ROOT, error_lines, run, script_command
 from test_reliability import RESTARTED, Job, children
+from test_tensor_parallel import HOOK
 
 SCRIPT = "12_fsdp_big.py"
 # 20 steps an epoch at a global batch of 64: snapshots at steps 8 and 16 and at each epoch's end.
@@ -72,14 +74,34 @@ def test_a_snapshot_resumes_on_another_number_of_ranks_at_the_same_global_batch(
     out = tmp_path / "resharded"
     first = run(command(out, quick_mnist_dir, before, "--no-dropout", "--epochs", 1))
     assert first.returncode == 0
-    resumed = run(command(out, quick_mnist_dir, after, "--no-dropout"))
+    dcp_to_torch_save(out / "s.pt.epoch2-step0", tmp_path / "saved.pt")  # every rank's shards, whole
+    hook = dict(PYTHONPATH=os.pathsep.join([str(HOOK), os.environ["PYTHONPATH"]]), LOADED_STATE_DIR=str(tmp_path))
+    resumed = run(command(out, quick_mnist_dir, after, "--no-dropout"), env=hook)
     assert "resuming from" in resumed.stdout and "epoch 2, step 0" in resumed.stdout, resumed.stdout
+    saved, loaded = (torch.load(tmp_path / name) for name in ("saved.pt", "loaded.pt"))
+    assert list(flatten(loaded)) == list(flatten(saved)), "the loaded state is not the saved one"
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(flatten(loaded, True), flatten(saved, True))), \
+        f"{before} -> {after} ranks: a loaded parameter or optimizer state differs from the saved one"
     record, weights = outputs(out)
     _, expected = whole["no dropout"]
     worst = max((weights[k] - expected[k]).abs().max().item() for k in expected)
     assert 0 < worst or before == after
     assert worst < BOUND, f"{before} -> {after} ranks: the weights end {worst:.2e} from the uninterrupted run's"
     assert record["world_size"] == after and record["global_batch"] == 64
+
+
+def flatten(state, tensors=False, name=""):
+    """Each leaf of a state dict in order: its name and, for a tensor, its shape; or with tensors=True the tensors."""
+    if isinstance(state, dict):
+        for key in sorted(state, key=str):
+            yield from flatten(state[key], tensors, f"{name}/{key}")
+    elif isinstance(state, (list, tuple)):
+        for i, item in enumerate(state):
+            yield from flatten(item, tensors, f"{name}/{i}")
+    elif torch.is_tensor(state):
+        yield state if tensors else (name, tuple(state.shape))
+    elif not tensors:
+        yield name, state
 
 
 def test_a_foreign_torn_or_mismatched_snapshot_is_refused_in_one_line(quick_mnist_dir, tmp_path):

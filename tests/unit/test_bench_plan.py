@@ -218,6 +218,18 @@ def test_the_report_says_what_e_n_is_where_ranks_share_a_batch_and_leaves_them_o
     assert "**09: n ranks" in without and "pairs of ranks" not in without
 
 
+@pytest.mark.parametrize("name", [name for name, mode in MODES.items() if mode.versus_parent])
+def test_each_mode_set_against_its_parent_gets_its_section_in_the_report(name):
+    """A sweep of 08 and 12 once wrote no report at all: 12 was set against 08, but the template had no section."""
+    mode, parent = MODES[name], report.by_script(MODES[name].parent)
+    rows = [(parent.name, 2, 1000.0), (name, 2, 900.0)]
+    runs = pd.DataFrame([dict(variant="base", per_device_batch=64, mode=m, n=n, samples_per_s=x, status="ok",
+                              device_type="cpu", wall_s=60.0) for m, n, x in rows])
+    summary = report.summarize(runs.reindex(columns=outputs.COLUMNS))
+    (section,) = report.comparisons(summary, gpu_settings([]), set())
+    assert f"{mode.number} against {parent.number}" in section and "| 0.90" in section, section
+
+
 def test_held_memory_per_rank_is_08s_fullest_rank_in_the_summary_and_memory_png(tmp_path, monkeypatch):
     """From runs.csv and the metrics records as a sweep leaves them: 08's ranks hold unequal shares (rows split
     unevenly), and the column, like the plot, is the fullest rank's, not their sum, nor the one of rank 0."""

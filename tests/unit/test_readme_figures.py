@@ -15,6 +15,7 @@ RESULTS = ROOT / "results"
 CPU, H200, PIPELINE = RESULTS / "cpu-2core-amd-epyc", RESULTS / "1x-nvidia-h200-gpu-check", RESULTS / "cpu-pipeline"
 FIRST_RUN = RESULTS / "first-run"
 MODEL_PARALLEL = RESULTS / "cpu-2core-amd-epyc-model-parallel"  # 01, 09, 10 and 11, one epoch
+FSDP_BIG = RESULTS / "cpu-2core-amd-epyc-fsdp-big"  # 08 and 12, one epoch; 12 in bf16 by hand
 ANATOMY = RESULTS / "cpu-2core-amd-epyc-anatomy" / "anatomy"  # run_all.py --anatomy: each mode's step
 
 # Figures the README takes from elsewhere, each with its source in the sentence, or that are definitions and
@@ -163,3 +164,14 @@ def test_a_changed_result_or_a_new_figure_fails_the_check(tmp_path, change):
         assert sum(sentence not in readme for sentence in measured(tmp_path)) == 3  # 01's samples/s in each
     else:
         assert unaccounted(readme + " 02 ran at 1,234 samples/s.", accounted()) == ["1,234 samples/s"]
+
+
+def test_12_on_real_mnist_keeps_08s_accuracy_and_bf16_within_half_a_point():
+    """One epoch of real MNIST at 2 x 64: 12's sharded snapshots change nothing it learns (within 0.3 points),
+    and bf16 compute stays within 0.5 points of 08's fp32."""
+    accuracy = {mode: float(row["test_accuracy"]) for (mode, _), row in rows(FSDP_BIG / "runs.csv").items()}
+    bf16 = record(FSDP_BIG / "bf16" / "metrics.json")
+    assert bf16["global_batch"] == 128 and bf16["train_samples"] == record(
+        FSDP_BIG / "metrics" / "fsdp-n2-b64-r1.json")["train_samples"], "not the sweep's epoch"
+    assert abs(accuracy["fsdp_big"] - accuracy["fsdp"]) <= 0.003, accuracy
+    assert abs(bf16["test_accuracy"] - accuracy["fsdp"]) <= 0.005, (bf16["test_accuracy"], accuracy)
