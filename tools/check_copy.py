@@ -10,7 +10,8 @@ The copy is started as its parent is: torchrun (03, 06, 08), --nprocs (04), -n 1
 shards its training set with torch.utils.data.DistributedSampler and scores its test rows in eval() without
 gradients. tools/copy_hook (on the runs' PYTHONPATH) records each process's sampler orders, the rows it scored
 and the files it wrote; none of the copy's own measurement is needed. Per guarantee it prints `holds`,
-`BROKEN`, or `n/a` where it could not try it, and what it saw; it exits 1 if any is BROKEN. Its runs go two
+`BROKEN`, or `n/a` where it could not try it, and what it saw; it exits 1 if any is BROKEN. A copy whose snapshot
+is sharded with DCP, as 12's, is also resumed at another world size. Its runs go two
 at a time, every script's queued at once. 09, 10 and 11, whose ranks share every batch, are refused in one line.
 """
 import argparse
@@ -47,6 +48,7 @@ ROWS = "every test row scored once"
 UPDATE = "the same update at 2 x B (2 processes) as at 1 x 2B (1 process)"
 WRITES = "only rank 0 writes"
 RESUME = "killed in epoch 2 and resumed: bitwise the uninterrupted run, dropout on"
+RESHARD = "killed at 2 ranks and resumed at 4, at the same global batch: the same images, the weights to 1e-4"
 CHECKS = dict(shards=SHARDS, rows=ROWS, writes=WRITES, update=UPDATE, resume=RESUME)  # --only's names
 FAILED = []  # the logs of the runs that exited non-zero: kept for reading
 
@@ -217,6 +219,57 @@ def check_resume(script, kind, args, out):
                   "equal to the uninterrupted run's" + (", and its train loss" if losses[0] else ""))
 
 
+def check_reshard(script, kind, args, out):
+    """A sharded snapshot (DCP) resumes at another world size: 2 ranks are killed in epoch 2, step 1, as in the
+    resume check, and 4 ranks at half the batch, so at the same global batch, go on from their snapshot. Dropout
+    off: 4 ranks draw other masks than 2. Each step left must train the images the uninterrupted run's step
+    trains, and the weights must end within 1e-4 of its."""
+    paths, records, snapshot = {}, {}, out / "reshard-killed" / "s.pt"
+    kill = dict(CHECK_COPY_KILL_AT=str(STEPS + 2), CHECK_COPY_KILL_RANK="0", CHECK_COPY_SNAPSHOT=str(snapshot))
+    for name, n, batch, env in [("reshard-whole", 2, BATCH, {}), ("reshard-killed", 2, BATCH, kill),
+                                ("reshard-resumed", 4, BATCH // 2, {})]:
+        paths[name] = out / name / "model.pt"
+        own = out / name / "s.pt" if name == "reshard-whole" else snapshot
+        records[name], log = run(script, kind, n, [*args, "--no-dropout", "--batch-size", batch, "--snapshot", own,
+                                                   "--save-model", paths[name]], out / name, **env)
+        if (records[name] is None) != (name == "reshard-killed"):
+            return False, f"the run of {n} ranks at {batch} each {'ended' if env else 'failed'}: {last_line(log)}"
+        if env:
+            FAILED.remove(out / name / "log.txt")  # killed, as it was meant to be
+    if not list((out / "reshard-killed" / "hook").glob("killed-*.json")):
+        return None, "not checked: no snapshot written by epoch 2, step 1, so nothing was killed"
+    trained = max(r["train_forwards"] for r in records["reshard-resumed"])
+    if trained != STEPS - 1:
+        return False, f"at 4 ranks it trained {trained} steps, not the {STEPS - 1} left after epoch 2, step 1"
+    differ = same_images(records["reshard-whole"], records["reshard-resumed"], range(1, STEPS), (BATCH, BATCH // 2))
+    if differ:
+        return False, differ
+    a, b = (torch.load(paths[name], map_location="cpu") for name in ("reshard-whole", "reshard-resumed"))
+    far = max((a[k].float() - b[k].float()).abs().max().item() for k in a) if a.keys() == b.keys() else float("inf")
+    return far < 1e-4, (f"killed at 2 x {BATCH} in epoch 2, step 1, resumed at 4 x {BATCH // 2}: steps 1-"
+                        f"{STEPS - 1} trained the uninterrupted run's images; the weights end within {far:.1e} of its")
+
+
+def same_images(whole, resumed, steps, batches):
+    """"" if each of the steps of the last epoch trains, over all the resumed run's ranks, the images the same step
+    of the whole run trains over its ranks; else what differs. A rank trains consecutive slices of its order."""
+    def per_step(records, batch):
+        orders = [s for r in records for s in r["samplers"] if s["shuffle"]]
+        epoch = max((s["epoch"] for s in orders), default=None)
+        last = [s for s in orders if s["epoch"] == epoch]
+        return epoch, [sorted(i for s in last for i in s["indices"][k * batch:(k + 1) * batch]) for k in steps]
+    (epoch, expected), (resumed_epoch, got) = per_step(whole, batches[0]), per_step(resumed, batches[1])
+    if resumed_epoch != epoch:
+        return f"the resumed run's last epoch is sampler epoch {resumed_epoch}, not {epoch}"
+    step = next((k for k, a, b in zip(steps, got, expected) if a != b), None)
+    return "" if step is None else f"epoch 2, step {step}: the resumed ranks trained other images than 2 ranks did"
+
+
+def sharded(source):
+    """Whether the copy's snapshot is sharded, as 12's: each rank saves its own part with DCP."""
+    return bool(re.search(r"\bdcp\.save\(|distributed\.checkpoint\.save\(|FileSystemWriter\(", source))
+
+
 def train_losses(log):
     """The "epoch N: train loss X" figures a run printed, in order (none if it prints no such line)."""
     return re.findall(r"epoch \d+: train loss ([\d.]+)", log.read_text(errors="replace"))
@@ -253,14 +306,16 @@ def check(script, kind, data_args, test_rows, out, only, pool):
     groups = [pool.submit(whole) if {"shards", "rows", "writes"} & set(only) else None,  # independent runs
               pool.submit(check_update, script, kind, common, out) if "update" in only else None,
               pool.submit(check_resume, script, kind, [*args, *snapshots], out)
-              if "resume" in only and snapshots else None]
+              if "resume" in only and snapshots else None,
+              pool.submit(check_reshard, script, kind, [*args, *snapshots], out)
+              if "resume" in only and snapshots and sharded(source) else None]
 
     def verdicts():
-        ran, update, resume = (group and group.result() for group in groups)
+        ran, update, resume, reshard = (group and group.result() for group in groups)
         if ran and ran[0] is None:
             return [("it runs", False, ran[1])]
         return [*(ran[0] if ran else []), *([(UPDATE, *update)] if update else []),
-                *([(RESUME, *resume)] if resume else [])]
+                *([(RESUME, *resume)] if resume else []), *([(RESHARD, *reshard)] if reshard else [])]
     return verdicts
 
 

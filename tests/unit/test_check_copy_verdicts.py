@@ -27,6 +27,16 @@ def sampler_record(rank, n, epochs, seed):
     return dict(samplers=orders)
 
 
+@pytest.mark.parametrize("seed, said", [(1, ""), (2, "epoch 2, step 1: the resumed ranks trained other images")])
+def test_a_resume_at_4_ranks_trains_each_steps_images_of_2_ranks_at_the_same_global_batch(seed, said):
+    """DistributedSampler deals one shuffled order round the ranks: at 2 x 8 and 4 x 4, step k takes the same 16
+    images. A resumed order of another shuffle (here another seed) trains other images from the step it resumed."""
+    whole = [sampler_record(rank, 2, 2, seed=1) for rank in range(2)]
+    resumed = [sampler_record(rank, 4, 2, seed=seed) for rank in range(4)]
+    assert check_copy.same_images(whole, resumed, range(1, 4), (8, 4)).startswith(said)
+    assert check_copy.same_images(whole, resumed, range(1, 4), (8, 8)) != ""  # a global batch of 32, not 16
+
+
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_shards_of_one_seed_are_disjoint_and_hold(n):
     held, said = check_copy.check_shards([sampler_record(rank, n, 2, seed=1) for rank in range(n)], n)
