@@ -68,6 +68,15 @@ def test_a_killed_rank_resumes_bitwise_at_the_same_world_size(whole, quick_mnist
     assert set(record["epochs_detail"][-1]["snapshot_bytes"]) == {p.name for p in shards}
 
 
+def test_recomputed_activations_give_the_same_weights_bit_for_bit(whole, quick_mnist_dir, tmp_path):
+    """--checkpoint-activations changes what backward keeps, not what it computes: with dropout off, the weights
+    end as without it, bit for bit."""
+    run(command(tmp_path, quick_mnist_dir, 2, "--no-dropout", "--checkpoint-activations"))
+    _, weights = outputs(tmp_path)
+    _, expected = whole["no dropout"]
+    assert all(torch.equal(weights[k], expected[k]) for k in expected), "checkpointing changed the update"
+
+
 @pytest.mark.parametrize("before, after", [(4, 2), (2, 4)])
 def test_a_snapshot_resumes_on_another_number_of_ranks_at_the_same_global_batch(before, after, whole,
                                                                                   quick_mnist_dir, tmp_path):

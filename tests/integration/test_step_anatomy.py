@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from bench.family import load_script
 from helpers import ROOT
@@ -30,13 +32,14 @@ def shard(shape, n):  # FSDP2 cuts dim 0 into n pieces of ceil(rows / n), paddin
     return math.ceil(shape[0] / n) * math.prod(shape[1:])
 
 
-def fsdp(n, tp=1):
+def fsdp(n, tp=1, gathered=FLOAT):
     """gloo's form of FSDP2's step at n ranks: an all-gather of each layer's shard before its forward and again
     before its backward; gloo has no reduce-scatter, so each layer's gradient is an all-reduce of the whole
-    padded buffer. NCCL reduce-scatters instead: each rank hands in the whole, gets 1/n back."""
+    padded buffer. NCCL reduce-scatters instead: each rank hands in the whole, gets 1/n back. gathered: the bytes
+    of a gathered weight (12's bf16: 2); the gradients are reduced in fp32 all the same."""
     shards = [sum(shard(p, n) for p in layer) for layer in layers(tp)]
-    return {"all_gather": dict(calls=2 * len(shards), in_bytes=2 * sum(shards) * FLOAT,
-                               out_bytes=2 * n * sum(shards) * FLOAT),
+    return {"all_gather": dict(calls=2 * len(shards), in_bytes=2 * sum(shards) * gathered,
+                               out_bytes=2 * n * sum(shards) * gathered),
             "all_reduce": dict(calls=len(shards), in_bytes=n * sum(shards) * FLOAT,
                                out_bytes=n * sum(shards) * FLOAT)}
 
@@ -82,16 +85,17 @@ def assert_adds_up(result):
             assert abs(parts - step["step_ms"]) <= 0.05 * step["step_ms"], step
 
 
-CASES = {"03": ("03_ddp_launch.py", 2, lambda r: ddp()), "08": ("08_fsdp.py", 2, lambda r: fsdp(2)),
-         "09": ("09_tensor_parallel.py", 2, lambda r: tensor_parallel()),
-         "10": ("10_pipeline_parallel.py", 2, lambda r: pipeline(r, 8)),
-         "11": ("11_fsdp_tp_mesh.py", 4, lambda r: added(tensor_parallel(), fsdp(2, tp=2)))}
+CASES = {"03": ("03_ddp_launch.py", 2, lambda r: ddp(), []), "08": ("08_fsdp.py", 2, lambda r: fsdp(2), []),
+         "09": ("09_tensor_parallel.py", 2, lambda r: tensor_parallel(), []),
+         "10": ("10_pipeline_parallel.py", 2, lambda r: pipeline(r, 8), ["--microbatches", "8"]),
+         "11": ("11_fsdp_tp_mesh.py", 4, lambda r: added(tensor_parallel(), fsdp(2, tp=2)), []),
+         "12-bf16": ("12_fsdp_big.py", 2, lambda r: fsdp(2, gathered=2), ["--mixed-precision", "bf16"])}
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_the_bytes_of_a_step_are_the_closed_form(tmp_path, case):
-    script, n, form = CASES[case]
-    result = anatomy(tmp_path, script, n, *(["--microbatches", "8"] if case == "10" else []))
+    script, n, form, flags = CASES[case]
+    result = anatomy(tmp_path, script, n, *flags)
     assert len(result["per_rank"]) == n
     for rank in result["per_rank"]:
         assert len(rank["steps"]) == 3
@@ -103,6 +107,22 @@ def test_the_bytes_of_a_step_are_the_closed_form(tmp_path, case):
     assert_adds_up(result)
     if case == "10":  # the bubble: stage 1 waits for stage 0's first microbatch (docs/benchmark.md measures it)
         assert sum(s["idle_ms"] for s in result["per_rank"][1]["steps"]) > 0
+
+
+def test_12s_checkpointed_step_computes_the_forward_again_and_moves_the_same_bytes(tmp_path):
+    """--checkpoint-activations: backward runs the forward again, so a step's FLOPs grow by about one forward. Torch
+    stops recomputing once backward has what it needs: fc2's forward is not run again, hence 0.9."""
+    result = anatomy(tmp_path, "12_fsdp_big.py", 2, "--checkpoint-activations")
+    net, inputs = load_script("12_fsdp_big.py").Net(dropout=False), torch.randn(B, 1, 28, 28)
+    with FlopCounterMode(display=False) as forward:
+        net(inputs)
+    with FlopCounterMode(display=False) as step:
+        net(inputs).sum().backward()
+    once, twice = step.get_total_flops(), step.get_total_flops() + forward.get_total_flops()
+    for rank in result["per_rank"]:
+        assert once + 0.9 * (twice - once) < rank["flops_per_step"] <= twice, (rank["flops_per_step"], once, twice)
+        assert all({k: {f: v[f] for f in ("calls", "in_bytes", "out_bytes")} for k, v in s["collectives"].items()}
+                   == fsdp(2) for s in rank["steps"])
 
 
 def test_the_harness_adds_each_modes_step_to_its_report(tmp_path):
