@@ -113,11 +113,14 @@ def test_07_trains_on_mps_through_each_epochs_end_in_float32(mac, quick_mnist_di
     assert mode.made > 0 and {"synchronize", "max_memory_allocated"} <= set(calls)
 
 
-def test_08_on_a_mac_trains_on_the_cpu_through_each_epochs_end(quick_mnist_dir, tmp_path):
+@pytest.mark.parametrize("script, extra", [("08_fsdp.py", []), ("12_fsdp_big.py", ["--snapshot-every", 1])])
+def test_fsdp_on_a_mac_trains_on_the_cpu_through_each_epochs_end(script, extra, quick_mnist_dir, tmp_path):
+    """08, and 12 with a snapshot at every step: no MPS tensor, and no MPS RNG state, reaches a collective."""
     env, log = with_stand_in_accelerator(tmp_path, "mps")
     record = tmp_path / "record.json"
-    result = run(script_command("08_fsdp.py", "--data-dir", quick_mnist_dir, "--epochs", 2, "--max-steps", 2,
-                                "--log-interval", 0, "--threads", 1, "--metrics-json", record, nprocs=2),
+    snapshot = ["--snapshot", tmp_path / "s.pt", *extra] if extra else []
+    result = run(script_command(script, "--data-dir", quick_mnist_dir, "--epochs", 2, "--max-steps", 2,
+                                "--log-interval", 0, "--threads", 1, "--metrics-json", record, *snapshot, nprocs=2),
                  env=env, timeout=240)
     written = json.loads(record.read_text())
     assert (written["device_type"], written["world_size"], len(written["epochs_detail"])) == ("cpu", 2, 2)

@@ -16,11 +16,11 @@ import torch.distributed as dist
 import torchvision  # noqa: F401  (it imports torch._dynamo, which reads what stand_in replaces: first)
 
 from bench import machine, processes
-from helpers import ROOT, launcher_env, load_script, stand_in_accelerator
+from helpers import MODES, ROOT, launcher_env, load_script, stand_in_accelerator
 
 CPU = torch.device("cpu")
 # Started by torchrun, they count the GPUs in setup(); 04 and 05 count them once, in the parent's parse_args().
-LAUNCHED = [name for name in ["03_ddp_launch.py", "06_fault_tolerant.py", "08_fsdp.py"] if (ROOT / name).exists()]
+LAUNCHED = [mode.script for mode in MODES.values() if mode.launch.torchrun]  # 03, 06, 08 and after
 SPAWNING = {"04_ddp_spawn.py": "--nprocs", "05_multinode_mnist.py": "-g"}  # the flag that sets processes per machine
 
 
