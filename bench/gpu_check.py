@@ -11,11 +11,13 @@ work; on one H200 with Lightning:
     step         what it runs                                                              work / bound
     warm up      import torch and torchvision, start CUDA (a cold machine's first import)     27 / 41 s
     doctor       bench/doctor.py --quick: its table                                           27 / 41 s
-    gpu tests    01, 02 and 04 at once on CUDA; the step that never waits                     45 / 68 s
-    two ranks    03, 05-09 as two ranks on GPU 0, 01 beside them, all at once                 63 / 95 s
+    gpu tests    01, 02 and 04 at once on CUDA; the step that never waits; the step forms      54 / 81 s
+    two ranks    03, 05-12 as two ranks on GPU 0, 01 beside them; the anatomy of 03 and 08,   72 / 108 s
+                 12 killed and resumed, a desync named by the flight recorder: all at once
     sweep        bench/run_all.py --modes 01: the harness, its report and plots               67 / 100 s
 
-The bounds add up to 345 s; with 20 s more to end each step cut, 445 s whatever hangs: within a 540 s call."""
+The bounds add up to 371 s; with 20 s more to end each step cut, 471 s whatever hangs: within a 540 s call.
+The tests leave what they measured in the folder BENCH_GPU_CHECK_WORK names, which goes into the archive."""
 import argparse
 import contextlib
 import importlib.util
@@ -34,6 +36,7 @@ if not __package__:  # `python bench/gpu_check.py`: the package is importable fr
 from bench.processes import log_tail, run_processes  # noqa: E402
 
 STEP_MARK = "BENCH_GPU_CHECK_STEP"  # in each step's environment, which everything it starts inherits
+WORK_VARIABLE = "BENCH_GPU_CHECK_WORK"  # the folder archived: where the tests put what they measured
 CUT_GRACE_S = 20  # after a cut step's SIGTERM: its runs' own SIGTERM-then-SIGKILL, then its report or table
 CALL_S = 540  # the device tool's one call: the whole check, every step cut included
 SPARE_S = 15  # of CALL_S, for this program's own start, its archive and the device tool
@@ -42,8 +45,8 @@ MARGIN = 1.5  # a step's bound over its work: the work fills at most two thirds 
 STEPS = {  # each step's work in run start-ups: (on the GPU, on the CPU), read as STEPS[name][cpu]
     "warm up": (1.5, 1),  # a cold machine's first import reads CUDA's libraries from disk
     "doctor": (1.5, 2.5),  # collect_env (1), nvidia-smi and git (0.5); on the CPU also the all-reduce (1)
-    "gpu tests": (2.5, 1),  # pytest (0.5), 01, 02 and 04 at once (1.5), the step that never waits (0.5)
-    "two ranks": (3.0, 1),  # pytest (0.5), 01 and five modes as two nodes: 19 processes on 16 cores (2.5)
+    "gpu tests": (3.0, 1),  # pytest (0.5), 01, 02 and 04 at once (1.5), never-waits (0.5), step forms (0.5)
+    "two ranks": (3.5, 1),  # pytest (0.5), 01, the modes and the four checks, all at once (3)
     "sweep": (3.7, 4),  # collect_env (1.2), the loader's measurement (1), 01 (1), report and plots (0.5)
 }
 LIGHTNING = (0.5, 0)  # 07's two nodes, in the two ranks step where Lightning is installed
@@ -102,7 +105,8 @@ def run_step(name, argv, limit, work):
         return "skipped", 0.0, "pytest cannot be imported by this Python (pip install pytest)"
     log, started = os.path.join(work, f"{name.replace(' ', '-')}.log"), time.monotonic()
     # The mark is this step's alone. A hung nvidia-smi or collect_env is given up on inside the step (output_of).
-    env = {STEP_MARK: f"{os.getpid()}-{time.time_ns()}-{name}", "BENCH_COMMAND_TIMEOUT_S": str(int(limit / MARGIN))}
+    env = {STEP_MARK: f"{os.getpid()}-{time.time_ns()}-{name}", "BENCH_COMMAND_TIMEOUT_S": str(int(limit / MARGIN)),
+           WORK_VARIABLE: work}
     code, timed_out = run_processes([(env, argv)], [log], limit, grace=CUT_GRACE_S)
     left = end_leftovers(env[STEP_MARK])
     status = f"TIMEOUT after {limit} s" if timed_out else "ok" if code == 0 else f"FAILED (exit code {code})"

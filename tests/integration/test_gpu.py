@@ -4,7 +4,8 @@ Every script of bench/family.py trains here on CUDA once, in one of two forms, a
 - one GPU each: the modes without a process group (01, 02), and 04, whose spawn starts all its processes itself;
 - two ranks on GPU 0 (marker two_ranks, a step of its own in bench/gpu_check.py): every other mode, as two
   "nodes" of one process each, so that NCCL's collectives run even on a machine with a single GPU.
-A new script joins the form its row's launch gives it. Besides: the step that never waits for the GPU."""
+A new script joins the form its row's launch gives it. Besides: the step that never waits for the GPU, and the
+CUDA graph of bench/measure/step_forms.py."""
 import importlib.util
 import json
 import os
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from bench.family import LIGHTNING
+from bench.measure import step_forms
 from helpers import MODES, TORCHRUN, by_script, free_port, load_script, script_command, start, stop
 
 pytestmark = pytest.mark.gpu
@@ -205,3 +207,30 @@ def test_a_training_step_never_waits_for_the_gpu(quick_mnist_dir):
     synchronisations(8)  # the first epoch also pays for start-up, and its warm-up steps wait on purpose
     assert synchronisations(12) == synchronisations(4)
 
+
+# ---- bench/measure/step_forms.py on CUDA: the whole step as one CUDA graph (the CPU: tests/unit/test_step_forms.py)
+
+def test_the_captured_step_updates_as_the_eager_one_and_follows_the_scheduler():
+    batches = step_forms.synthetic_batches(torch.device("cuda"))
+    check = step_forms.check_capture(load_script(), batches)
+    assert check["matches"], check
+    assert check["before"]["lr"] == 1.0 and check["after"]["lr"] == pytest.approx(0.7)  # StepLR reached the graph
+
+
+def test_a_learning_rate_baked_into_the_graph_fails_the_check(monkeypatch):
+    """The check's power: with lr a float, StepLR changes the eager update only, and the check says so."""
+    def with_a_float_lr(model, lr):
+        return torch.optim.Adadelta(model.parameters(), lr=lr, capturable=True)
+    monkeypatch.setattr(step_forms, "capturable_adadelta", with_a_float_lr)
+    batches = step_forms.synthetic_batches(torch.device("cuda"))
+    check = step_forms.check_capture(load_script(), batches)
+    assert check["before"]["within_tolerance"] and not check["after"]["within_tolerance"], check
+    assert check["after"]["largest_difference"] > 100 * step_forms.ATOL and not check["matches"]
+
+
+def test_each_step_form_is_timed_on_cuda(tmp_path):
+    """Eager and the CUDA graph (the GPU check's step forms times compile too)."""
+    assert step_forms.main(["--forms", "eager,graph", "--steps", "20", "--json", str(tmp_path / "f.json")]) == 0
+    result = json.loads((tmp_path / "f.json").read_text())
+    assert all(result["forms"][form]["samples_per_s"] > 0 for form in ("eager", "graph")), result
+    assert result["capture_check"]["matches"] and result["device"] == "cuda"
