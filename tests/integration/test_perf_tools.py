@@ -65,3 +65,27 @@ def test_the_tools_try_their_json_path_as_the_scripts_do(tool, tmp_path):
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and "cannot write" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["a-file"] and (tmp_path / "a-file").read_text() == "kept"
+
+
+def test_the_flight_recorder_names_the_rank_that_skipped_a_collective(tmp_path):
+    """Two gloo ranks: rank 1 skips an all-reduce. Each rank's flight record is dumped at the timeout, and torch's
+    analyser, reading them, names rank 1 and the all-reduce (on NCCL: tests/integration/test_gpu.py)."""
+    out = tool("flight_recorder", "--cpu", "--out", tmp_path, timeout=120)
+    analysis = (tmp_path / "analysis.txt").read_text()
+    assert "missing ranks: {1}" in analysis and "collective: gloo:all_reduce" in analysis, analysis
+    assert sorted(p.name for p in tmp_path.glob("rank_*")) == ["rank_0", "rank_1"]
+    assert "the analyser names rank 1" in out.stdout
+
+
+def test_gloos_flight_record_is_made_readable_for_the_analyser(tmp_path):
+    """torch 2.14.1's gloo names the default group '' in pg_config and '0' in its entries; without agree(), the
+    analyser stops with a KeyError."""
+    import pickle
+    from bench.measure import flight_recorder
+    entry = dict(process_group=("0", "default_pg"))
+    for rank in range(2):
+        (tmp_path / f"rank_{rank}").write_bytes(pickle.dumps(dict(pg_config={"": dict(name="", desc="")},
+                                                                  entries=[entry])))
+    flight_recorder.agree(str(tmp_path))
+    dump = pickle.loads((tmp_path / "rank_1").read_bytes())
+    assert dump["pg_config"]["0"] == dict(name="0", desc="default_pg", ranks="[0, 1]")
