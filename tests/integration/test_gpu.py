@@ -5,22 +5,28 @@ Every script of bench/family.py trains here on CUDA once, in one of two forms, a
 - two ranks on GPU 0 (marker two_ranks, a step of its own in bench/gpu_check.py): every other mode, as two
   "nodes" of one process each, so that NCCL's collectives run even on a machine with a single GPU.
 A new script joins the form its row's launch gives it. Besides: the step that never waits for the GPU, and the
-CUDA graph of bench/measure/step_forms.py."""
+step forms of bench/measure/step_forms.py. With the two-ranks runs start four checks, as two ranks on GPU 0 too:
+the step anatomy of 03 and 08, 12 killed and resumed, and a desync named by the flight recorder. What they
+measure is kept where BENCH_GPU_CHECK_WORK says, in the GPU check's archive."""
 import importlib.util
 import json
 import os
 import subprocess
+import sys
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from bench import anatomy
 from bench.family import LIGHTNING
-from bench.measure import step_forms
-from helpers import MODES, TORCHRUN, by_script, free_port, load_script, script_command, start, stop
+from bench.measure import flight_recorder, step_forms
+from helpers import MODES, ROOT, TORCHRUN, by_script, free_port, load_script, script_command, start, stop
+from test_step_anatomy import B as ANATOMY_BATCH, ddp, fsdp
 
 pytestmark = pytest.mark.gpu
 
@@ -49,13 +55,22 @@ ON_CUDA = SimpleNamespace(cpu=False, kind="gpu")  # what a launch's flags ask of
 # The wait for each form's runs, all of them together. One GPU each: 2.5 start-ups of 18 s, the slowest measured
 # on an H200. Two ranks: 19 to 23 processes on 16 cores. With pytest's own start-up, both end inside their steps'
 # bounds in bench/gpu_check.py (68 s, and 81-95 s).
-ONE_GPU_EACH_TIMEOUT_S, TWO_RANKS_TIMEOUT_S = 45, 65
+ONE_GPU_EACH_TIMEOUT_S, TWO_RANKS_TIMEOUT_S = 45, 75
+WORK = os.environ.get("BENCH_GPU_CHECK_WORK")  # the GPU check's archived folder
+HOOK = ROOT / "tools" / "copy_hook"  # the start-up hook of the step anatomy and of the copy checker's kill
 
 
-def torchrun_node(script, rank, port, *args):
+def kept(tmp, name):
+    """A folder for what a test measures: in the GPU check's archive when the check runs the test, else in tmp."""
+    folder = Path(WORK) / name if WORK else tmp / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def torchrun_node(script, rank, port, *args, launcher=()):
     """One of two torchrun agents on this host, one process each: two "nodes" as 05 has them."""
-    return [*TORCHRUN, "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(rank), "--master_addr",
-            "127.0.0.1", "--master_port", str(port), script, *map(str, args)]
+    return [*TORCHRUN, *launcher, "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(rank),
+            "--master_addr", "127.0.0.1", "--master_port", str(port), script, *map(str, args)]
 
 
 def two_ranks_command(mode, rank, port):
@@ -87,19 +102,23 @@ def commands(mode, port):
 
 
 def finish(process, deadline):
-    """(exit code, stderr) of a started process; the exit code is None if it still ran at the deadline."""
+    """(exit code, stdout and stderr) of a started process; the exit code is None if it ran past the deadline."""
     try:
-        _, stderr = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        stdout, stderr = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         return None, ""
-    return process.returncode, stderr
+    return process.returncode, stdout + stderr
 
 
-def train_at_once(scripts, tmp, timeout):
+def train_at_once(scripts, tmp, timeout, checks=None):
     """Each script's short run, all started at once: {script: its failure or None, world size, record, weights}.
-    A failed run fails its own test only. At the deadline, or when pytest is stopped (the GPU check's cut), every
+    checks: {name: (folder, [(argv, env)])}, started with them: {name: its failure or None, folder, output}. A
+    failed run fails its own test only. At the deadline, or when pytest is stopped (the GPU check's cut), every
     process group they started is ended."""
     started, out = {}, {}
+    for name, (folder, argvs) in (checks or {}).items():
+        out[name] = folder
+        started[name] = (len(argvs), [start([str(a) for a in argv], env={**GPUS, **env}) for argv, env in argvs])
     for script in scripts:
         mode = by_script(script)
         if mode.needs and importlib.util.find_spec(mode.needs) is None:
@@ -127,8 +146,9 @@ def train_at_once(scripts, tmp, timeout):
     for script, (n, group) in started.items():
         failures = [f"still running after {timeout} s" if code is None else f"exit code {code}: {err[-3000:]}"
                     for code, err in map(ends.get, group) if code != 0]
-        runs[script] = SimpleNamespace(failure="; ".join(failures) or None, world_size=n, out=out[script])
-        if not failures:
+        runs[script] = SimpleNamespace(failure="; ".join(failures) or None, world_size=n, out=out[script],
+                                       output="".join(err for _, err in map(ends.get, group)))
+        if not failures and script not in (checks or {}):
             runs[script].record = json.loads((out[script] / "m.json").read_text())
             runs[script].weights = torch.load(out[script] / "model.pt", map_location="cpu")
     return runs
@@ -170,16 +190,111 @@ def test_trains_on_cuda_one_gpu_each(script, one_gpu_each):
         assert len(per_gpu) == GPU_COUNT and record["peak_memory_bytes"] == max(per_gpu)
 
 
+ANATOMY = ["03_ddp_launch.py", "08_fsdp.py"]
+KILLED = "12_fsdp_big.py"  # killed once it has a snapshot, restarted by torchrun, resumed
+KILL_AT = 3  # rank 0's third training forward: after the snapshots of steps 1 and 2
+
+
+def anatomy_ranks(script, folder):
+    """The step anatomy's profiler in two ranks on GPU 0, through its start-up hook, as bench/anatomy.py runs it."""
+    port, steps = free_port(), anatomy.SKIP + 3 + 1
+    hook = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HOOK), os.environ.get("PYTHONPATH")])),
+            "ANATOMY_OUT": str(folder), "ANATOMY_SKIP": str(anatomy.SKIP), "ANATOMY_STEPS": "3"}
+    args = ["--synthetic", "--max-steps", steps, "--log-interval", 0, "--batch-size", ANATOMY_BATCH]
+    return [(torchrun_node(script, rank, port, *args), {**two_ranks_on_one_gpu(rank), **hook}) for rank in (0, 1)]
+
+
+def killed_ranks(folder):
+    """12 as the two-ranks run of it, with a snapshot each step; rank 0 killed at its KILL_AT-th training forward
+    (tools/copy_hook); torchrun's --max-restarts 1 restarts both "nodes"."""
+    port, mode = free_port(), by_script(KILLED)
+    hook = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HOOK), os.environ.get("PYTHONPATH")])),
+            "CHECK_COPY_OUT": str(folder / "hook"), "CHECK_COPY_KILL_AT": str(KILL_AT), "CHECK_COPY_KILL_RANK": "0",
+            "CHECK_COPY_SNAPSHOT": str(folder / "s.pt")}
+    (folder / "hook").mkdir(exist_ok=True)
+    args = ["--synthetic", "--max-steps", 4, "--log-interval", 0, "--no-dropout", "--batch-size",
+            mode.batch.loader_batch(GLOBAL_BATCH // 2, 2), "--snapshot", folder / "s.pt", "--snapshot-every", 1,
+            "--save-model", folder / "model.pt"]
+    return [(torchrun_node(KILLED, rank, port, *args, launcher=["--max-restarts", "1"]),
+             {**two_ranks_on_one_gpu(rank), **hook}) for rank in (0, 1)]
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """Every two-ranks run, and 01's beside them: the reference of their updates."""
-    return train_at_once([REFERENCE, *TWO_RANKS], tmp_path_factory.mktemp("two-ranks"), TWO_RANKS_TIMEOUT_S)
+    """Every two-ranks run, and 01's beside them: the reference of their updates; and the four checks."""
+    tmp = tmp_path_factory.mktemp("two-ranks")
+    folders = {script: kept(tmp, f"anatomy/{script[:2]}") for script in ANATOMY}
+    checks = {script: (folder, anatomy_ranks(script, folder)) for script, folder in folders.items()}
+    killed = kept(tmp, "killed")
+    checks["killed"] = (killed, killed_ranks(killed))
+    recorder = kept(tmp, "flight-recorder")
+    checks["flight recorder"] = (recorder, [([sys.executable, "-m", "bench.measure.flight_recorder", "--out",
+                                              recorder], {})])
+    return train_at_once([REFERENCE, *TWO_RANKS], tmp, TWO_RANKS_TIMEOUT_S, checks)
 
 
 @pytest.mark.two_ranks
 @pytest.mark.parametrize("script", TWO_RANKS)
 def test_trains_as_two_ranks_on_gpu_0(script, two_ranks):
     check_run(two_ranks, script)
+
+
+def nccl_kinds(collectives):
+    """A step's collectives on NCCL, by kind: record_param_comms names them as c10d does (_allgather_base, ...)."""
+    kinds = {}
+    for name, moved in collectives.items():
+        if moved["in_bytes"] or moved["out_bytes"]:
+            kind = ("all_gather" if "gather" in name else "reduce_scatter" if "scatter" in name
+                    else "all_reduce" if "reduce" in name else name)
+            row = kinds.setdefault(kind, dict(calls=0, in_bytes=0, out_bytes=0))
+            for key in row:
+                row[key] += moved[key]
+    return kinds
+
+
+@pytest.mark.two_ranks
+@pytest.mark.parametrize("script", ANATOMY)
+def test_the_step_anatomy_of_two_ranks_on_nccl_moves_the_closed_forms_bytes(script, two_ranks):
+    """03: the whole gradient all-reduced. 08: gloo's all-gathers, but the gradients reduce-scattered, as NCCL
+    can: each rank hands in the whole padded gradient and gets its shard back."""
+    run = two_ranks[script]
+    assert run.failure is None, run.failure
+    ranks, _ = anatomy.analyse(str(run.out), 2)
+    if script == ANATOMY[0]:
+        expected = {"all_reduce": ddp()["all_reduce"]}
+    else:
+        gloo = fsdp(2)
+        whole = gloo["all_reduce"]["in_bytes"]
+        expected = {"all_gather": gloo["all_gather"],
+                    "reduce_scatter": dict(calls=gloo["all_reduce"]["calls"], in_bytes=whole, out_bytes=whole // 2)}
+    for rank in ranks:
+        assert len(rank["steps"]) == 3
+        for step in rank["steps"]:
+            measured = nccl_kinds(step["collectives"])
+            assert {k: {f: measured.get(k, {}).get(f) for f in v} for k, v in expected.items()} == expected, \
+                (rank["rank"], step["collectives"])
+            assert set(measured) == set(expected), step["collectives"]
+
+
+@pytest.mark.two_ranks
+def test_12_as_two_ranks_killed_on_nccl_resumes_from_its_sharded_snapshot(two_ranks):
+    run, reference = two_ranks["killed"], two_ranks[REFERENCE]
+    assert run.failure is None, run.failure
+    assert "resuming from" in run.output, run.output[-3000:]
+    records = [json.loads(p.read_text()) for p in (run.out / "hook").glob("*.json")]
+    assert any(r.get("restart") == "1" for r in records), "torchrun started no second attempt"
+    assert list((run.out / "hook").glob("killed-*.json")), "rank 0 was never killed"
+    weights = torch.load(run.out / "model.pt", map_location="cpu")
+    for key, tensor in reference.weights.items():
+        torch.testing.assert_close(weights[key], tensor, rtol=1e-3, atol=1e-4, msg=f"resumed 12: {key}")
+
+
+@pytest.mark.two_ranks
+def test_the_flight_recorder_of_two_ranks_names_the_one_that_skipped_an_all_reduce_on_nccl(two_ranks):
+    run = two_ranks["flight recorder"]
+    assert run.failure is None, run.failure
+    analysis = (run.out / "analysis.txt").read_text()
+    assert flight_recorder.NAMED in analysis and "all_reduce" in analysis, analysis
 
 
 def test_a_training_step_never_waits_for_the_gpu(quick_mnist_dir):
@@ -229,8 +344,9 @@ def test_a_learning_rate_baked_into_the_graph_fails_the_check(monkeypatch):
 
 
 def test_each_step_form_is_timed_on_cuda(tmp_path):
-    """Eager and the CUDA graph (the GPU check's step forms times compile too)."""
-    assert step_forms.main(["--forms", "eager,graph", "--steps", "20", "--json", str(tmp_path / "f.json")]) == 0
-    result = json.loads((tmp_path / "f.json").read_text())
-    assert all(result["forms"][form]["samples_per_s"] > 0 for form in ("eager", "graph")), result
+    """Eager, compiled and the CUDA graph, 500 steps each: the step forms of the GPU check's archive."""
+    path = kept(tmp_path, ".") / "step-forms.json"
+    assert step_forms.main(["--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert all(result["forms"][form]["samples_per_s"] > 0 for form in step_forms.FORMS), result
     assert result["capture_check"]["matches"] and result["device"] == "cuda"

@@ -1,11 +1,15 @@
 """The GPU check's steps, started as they run on a bare machine: the two test steps collected by pytest (between
-them every GPU test once, every numbered script among them, without pandas or matplotlib) and the warm-up (the
-rest of the GPU check, in this process: tests/unit/test_gpu_check.py)."""
+them every GPU test once, every numbered script among them, without pandas or matplotlib), the warm-up, and the
+four checks of the two-ranks step, as gloo runs them on the CPU (the rest of the GPU check, in this process:
+tests/unit/test_gpu_check.py)."""
+import json
 import re
 import sys
 
-from bench import gpu_check
+import test_gpu as gpu_tests
+from bench import anatomy, gpu_check
 from helpers import SCRIPTS, run
+from test_step_anatomy import ddp, fsdp
 
 PY = sys.executable
 
@@ -40,3 +44,24 @@ def test_the_warm_up_imports_torch_and_starts_cuda_or_says_why_it_cannot(tmp_pat
     cuda = run(steps[False]["warm up"], timeout=120, check=False)  # here, without a GPU: the step fails, saying why
     assert cuda.returncode != 0 and ("NVIDIA driver" in cuda.stderr or "CUDA" in cuda.stderr), cuda.stderr
 
+
+
+def test_the_two_ranks_steps_four_checks_run_on_the_cpu_as_on_the_gpu(tmp_path, monkeypatch):
+    """The anatomy of 03 and 08, 12 killed and resumed, the flight recorder: started as the GPU check starts them,
+    all at once, here as two gloo ranks. On gloo the bytes are gloo's closed forms: 08's gradient all-reduced."""
+    monkeypatch.setattr(gpu_tests, "WORK", str(tmp_path / "archive"))
+    folders = {script: gpu_tests.kept(tmp_path, f"anatomy/{script[:2]}") for script in gpu_tests.ANATOMY}
+    checks = {script: (folder, gpu_tests.anatomy_ranks(script, folder)) for script, folder in folders.items()}
+    killed, recorder = gpu_tests.kept(tmp_path, "killed"), gpu_tests.kept(tmp_path, "flight-recorder")
+    checks["killed"] = (killed, gpu_tests.killed_ranks(killed))
+    checks["flight recorder"] = (recorder, [([PY, "-m", "bench.measure.flight_recorder", "--out", recorder], {})])
+    runs = gpu_tests.train_at_once([], tmp_path, 240, checks)
+    assert all(r.failure is None for r in runs.values()), {k: r.failure for k, r in runs.items()}
+    for script, form in zip(gpu_tests.ANATOMY, [ddp(), fsdp(2)]):
+        ranks, _ = anatomy.analyse(str(runs[script].out), 2)
+        kinds = [gpu_tests.nccl_kinds(step["collectives"]) for rank in ranks for step in rank["steps"]]
+        assert all({k: {f: got[k][f] for f in v} for k, v in form.items()} == form for got in kinds), kinds
+    assert "resuming from" in runs["killed"].output and list((killed / "hook").glob("killed-*.json"))
+    assert any(json.loads(p.read_text())["restart"] == "1" for p in (killed / "hook").glob("[0-9]*.json"))
+    assert "missing ranks: {1}" in (recorder / "analysis.txt").read_text()
+    assert recorder.parent == tmp_path / "archive", "what the checks measure goes into the GPU check's archive"
