@@ -20,7 +20,7 @@ MEDIANS = ["samples_per_s", "time_to_target_s", "test_accuracy", "test_loss", "p
 FORMATS = dict(dict.fromkeys(["speedup", "speed_ratio", "wall_ratio"], "{:.2f}x".format), bubble="{:.0%}".format,
                efficiency="{:.1%}".format, test_accuracy="{:.2%}".format, pct_of_limit="{:.0%}".format,
                accuracy_diff=lambda v: f"{100 * v:+.2f} pp", peak_memory_bytes=lambda v: f"{v / 2**20:.0f} MiB",
-               in_bytes="{:,.0f}".format, out_bytes="{:,.0f}".format)
+               in_bytes="{:,.0f}".format, out_bytes="{:,.0f}".format, predicted="{:.1%}".format)
 SUMMARY_VIEW = dict(variant="variant", mode="mode", n="n", runs="runs", world_size="world size",
                     global_batch="global batch", samples_per_s="samples/s", bubble="pipeline bubble",
                     speedup="speed-up vs 01", efficiency="efficiency E(n)", time_to_target_s="time to target (s)",
@@ -30,6 +30,7 @@ VERSUS_VIEW = dict(variant="variant", per_device_batch="per-GPU batch", mode="mo
                    samples_per_s_ref="{} samples/s", samples_per_s="samples/s", speed_ratio="samples/s ratio",
                    wall_s_ref="{} wall (s)", wall_s="wall (s)", wall_ratio="wall-time ratio",
                    accuracy_diff="accuracy change")
+PREDICTION_VIEW = dict(mode="mode", n="n", efficiency="measured E(n)", predicted="predicted E(n)")
 ANATOMY_VIEW = dict(number="script", mode="mode", n="n", step_ms="step (ms)", compute_ms="compute",
                    overlapped_comm_ms="overlapped", exposed_comm_ms="exposed", idle_ms="idle",
                    in_bytes="bytes in", out_bytes="bytes out")
@@ -164,6 +165,17 @@ def head(env, summary, settings):
         data=BLOCKS["synthetic"] if settings.synthetic else BLOCKS["mnist"].format(data_dir=settings.data_dir))
 
 
+def predicted(out_dir, summary, settings):
+    """bench/measure/scaling.py's E(n) beside the measured E(n), for each modelled mode the anatomy has."""
+    from bench.measure import scaling
+    sweep = scaling.read_sweep(out_dir)
+    on = dict(cores=settings.cores) if settings.cpu else dict(step_ms=sweep["t1_ms"])
+    rows = [dict(mode=r["mode"], n=r["n"], efficiency=r["efficiency"], predicted=p["e_n"])
+            for _, r in summary[summary["variant"] == "base"].iterrows() if r["mode"] in sweep["anatomy"]
+            and r["mode"] in scaling.MODELLED and (p := scaling.predict(sweep, r["mode"], int(r["n"]), **on))]
+    return [BLOCKS["prediction"].format(table=markdown(pd.DataFrame(rows), PREDICTION_VIEW))] if rows else []
+
+
 def write_report(out_dir, runs, summary, env, settings, left_out, plots):
     hide = {c for c in ("variant", "per_device_batch") if summary[c].nunique() <= 1}
     pipelined = summary["bubble"].notna().any()  # 10's rows: the bubble beside samples/s
@@ -183,6 +195,7 @@ def write_report(out_dir, runs, summary, env, settings, left_out, plots):
         blocks += [BLOCKS["limit_cpu"].format(cores=settings.cores)] if settings.cpu else []
     if env.get("anatomy"):  # run_all.py --anatomy
         blocks.append(BLOCKS["anatomy"].format(table=markdown(pd.DataFrame(env["anatomy"]), ANATOMY_VIEW)))
+        blocks += predicted(out_dir, summary, settings)
     blocks.append(BLOCKS["plots"].format(images="\n\n".join(BLOCKS["plot"].format(name=name, title=title)
                                                             for name, title in plots)))
     busy = [f"- {row['run_id']}: {row['busy_before']}" for _, row in runs.iterrows()
