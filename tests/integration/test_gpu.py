@@ -227,6 +227,11 @@ def two_ranks(tmp_path_factory):
     checks = {script: (folder, anatomy_ranks(script, folder)) for script, folder in folders.items()}
     killed = kept(tmp, "killed")
     checks["killed"] = (killed, killed_ranks(killed))
+    nccl2 = kept(tmp, "nccl2")  # 03 on torch 2.15's default NCCL backend, which 2.14.1 takes when asked
+    port, args = free_port(), ["--synthetic", "--max-steps", 4, "--log-interval", 0, "--no-dropout", "--batch-size",
+                               GLOBAL_BATCH // 2, "--save-model", nccl2 / "model.pt"]
+    checks["nccl2"] = (nccl2, [(torchrun_node("03_ddp_launch.py", rank, port, *args),
+                                {**two_ranks_on_one_gpu(rank), "TORCH_DIST_USE_NCCL2": "1"}) for rank in (0, 1)])
     recorder = kept(tmp, "flight-recorder")
     checks["flight recorder"] = (recorder, [([sys.executable, "-m", "bench.measure.flight_recorder", "--out",
                                               recorder], {})])
@@ -287,6 +292,15 @@ def test_12_as_two_ranks_killed_on_nccl_resumes_from_its_sharded_snapshot(two_ra
     weights = torch.load(run.out / "model.pt", map_location="cpu")
     for key, tensor in reference.weights.items():
         torch.testing.assert_close(weights[key], tensor, rtol=1e-3, atol=1e-4, msg=f"resumed 12: {key}")
+
+
+@pytest.mark.two_ranks
+def test_03_as_two_ranks_on_torch_2_15s_default_nccl_backend_takes_01s_update(two_ranks):
+    run, reference = two_ranks["nccl2"], two_ranks[REFERENCE]
+    assert run.failure is None, run.failure
+    weights = torch.load(run.out / "model.pt", map_location="cpu")
+    for key, tensor in reference.weights.items():
+        torch.testing.assert_close(weights[key], tensor, rtol=1e-3, atol=1e-4, msg=f"03 on NCCL2: {key}")
 
 
 @pytest.mark.two_ranks

@@ -77,6 +77,7 @@ def measured(cpu_dir=CPU):
     cpu_fp32, cpu_amp, cpu_compile = ([record(PIPELINE / f"{name}-{i}.json")["samples_per_s"] for i in (1, 2)]
                                       for name in ("fp32", "amp", "compile"))
     forms = record(H200 / "2026-12-04" / "step-forms.json")["forms"]
+    e8 = record(RESULTS / "scaling-prediction" / "e8-gpus.json")  # a prediction, from bench/measure/scaling.py
     graph = forms["graph"]["samples_per_s"] / forms["eager"]["samples_per_s"]
     stages = record(MODEL_PARALLEL / "metrics" / "pipeline_parallel-n2-b64-r1.json")["epochs_detail"][-1]
     stage_1 = stages["bytes_per_rank"][1] / sum(stages["bytes_per_rank"])
@@ -93,7 +94,9 @@ def measured(cpu_dir=CPU):
         f"On real MNIST, quiet: 01 {single:.0f} samples/s; DDP's two processes {min(pairs):.0f}-{max(pairs):.0f} "
         f"(08 {fsdp:.0f})",
         f"by its {['1st', '2nd', '3rd'][target_epoch - 1]} epoch (one run each, {duration} in all",
-        f"an H200 step took about {64 / gpu['single', 1] * 1000:.1f} ms",
+        f"for 8 GPUs: DDP's E(8) at most {e8['e_n']['ddp_launch']['8']:.2f}, FSDP2's at most "
+        f"{e8['e_n']['fsdp']['8']:.2f}, from 01's {e8['step_ms']:.2f} ms step on one H200 and links of "
+        f"{e8['busbw_gb_s']:.0f} GB/s",
         f"As one CUDA graph, 01's step ran {graph:.1f}x as fast as eager",
         f"on the H200 modes of the same work differed by up to {(max(same_work) / min(same_work) - 1) * 100:.0f}%",
         f"({amp / fp32:.2f}x and {compiled / fp32:.2f}x on the H200, {mean(cpu_amp) / mean(cpu_fp32):.2f}x "
