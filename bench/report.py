@@ -169,6 +169,8 @@ def predicted(out_dir, summary, settings):
     """bench/measure/scaling.py's E(n) beside the measured E(n), for each modelled mode the anatomy has."""
     from bench.measure import scaling
     sweep = scaling.read_sweep(out_dir)
+    if sweep is None or (not settings.cpu and "ddp_launch" not in sweep["anatomy"]):
+        return []  # without 01's step, or on GPUs without DDP's compute, nothing to predict from
     on = dict(cores=settings.cores) if settings.cpu else dict(step_ms=sweep["t1_ms"])
     rows = [dict(mode=r["mode"], n=r["n"], efficiency=r["efficiency"], predicted=p["e_n"])
             for _, r in summary[summary["variant"] == "base"].iterrows() if r["mode"] in sweep["anatomy"]

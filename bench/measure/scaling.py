@@ -43,10 +43,13 @@ def ring(n):
 
 
 def read_sweep(folder):
-    """01's step in ms and batch, each mode's anatomy at its n, and the gradient all-reduce's ms at 2 ranks."""
+    """01's step in ms and batch, each mode's anatomy at its n, and the gradient all-reduce's ms at 2 ranks; None
+    for a sweep without 01 or without its anatomy, the reference of every prediction."""
     with open(os.path.join(folder, "summary.csv"), newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["variant"] == "base"]
-    single = next(r for r in rows if r["mode"] == "single")
+    single = next((r for r in rows if r["mode"] == "single"), None)
+    if single is None or not os.path.exists(os.path.join(folder, "anatomy", "01", "anatomy.json")):
+        return None
     batch = int(single["per_device_batch"])
     t1 = batch / float(single["samples_per_s"]) * 1e3
     anatomy = {}
@@ -118,8 +121,8 @@ def main(argv=None):
     if not os.path.exists(os.path.join(args.folder, "summary.csv")):
         sys.exit(f"error: {args.folder} has no summary.csv: give a folder that bench/run_all.py wrote")
     sweep = read_sweep(args.folder)
-    if set(sweep["anatomy"]) < {"single", "ddp_launch"}:
-        sys.exit(f"error: {args.folder} has no anatomy of 01 and 03: run bench/run_all.py with --anatomy")
+    if sweep is None or "ddp_launch" not in sweep["anatomy"]:
+        sys.exit(f"error: {args.folder} has no anatomy of 01 and 03: run bench/run_all.py with 01, 03 and --anatomy")
     with open(os.path.join(args.folder, "env.json")) as f:
         cores = args.cores or (json.load(f).get("cpu_cores") if args.step_ms is None else None)
     predicted = table(sweep, cores, args.step_ms, args.busbw)

@@ -84,3 +84,18 @@ def test_a_report_with_the_anatomy_puts_the_predicted_e_n_beside_the_measured():
     assert "| mode | n | measured E(n) | predicted E(n) |" in block and "a model, not a measurement" in block
     predicted = scaling.predict(scaling.read_sweep(SWEEP), "ddp_launch", 2, cores=2)["e_n"]
     assert f"| ddp_launch | 2 | {measured_e2('ddp_launch'):.1%} | {predicted:.1%} |" in block
+
+
+def test_a_sweep_without_01_has_no_prediction_and_its_report_is_still_written(tmp_path):
+    """A sweep of 03 alone with --anatomy once ended in a traceback: the prediction needs 01's step."""
+    import shutil
+    from bench import report
+    from helpers import gpu_settings
+    shutil.copytree(SWEEP, tmp_path / "sweep")
+    shutil.rmtree(tmp_path / "sweep" / "anatomy" / "01")
+    assert scaling.read_sweep(tmp_path / "sweep") is None
+    _, summary = report.read_and_summarize(str(tmp_path / "sweep"))
+    assert report.predicted(str(tmp_path / "sweep"), summary, gpu_settings([])) == []
+    with pytest.raises(SystemExit) as refused:
+        scaling.main(["--from", str(tmp_path / "sweep")])
+    assert "no anatomy of 01 and 03" in str(refused.value.code)
