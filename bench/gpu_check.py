@@ -12,11 +12,12 @@ work; on one H200 with Lightning:
     warm up      import torch and torchvision, start CUDA (a cold machine's first import)     27 / 41 s
     doctor       bench/doctor.py --quick: its table                                           27 / 41 s
     gpu tests    01, 02 and 04 at once on CUDA; the step that never waits; the step forms      54 / 81 s
-    two ranks    03, 05-12 as two ranks on GPU 0, 01 beside them; the anatomy of 03 and 08,   72 / 108 s
-                 12 killed and resumed, a desync named by the flight recorder: all at once
+    two ranks    03, 05-12 as two ranks on GPU 0, 01 beside them; the anatomy of 03 and 08,   81 / 122 s
+                 12 killed and resumed, a desync named by the flight recorder: all at once;
+                 then the all-reduce measured with two ranks on GPU 0
     sweep        bench/run_all.py --modes 01: the harness, its report and plots               67 / 100 s
 
-The bounds add up to 371 s; with 20 s more to end each step cut, 471 s whatever hangs: within a 540 s call.
+The bounds add up to 385 s; with 20 s more to end each step cut, 485 s whatever hangs: within a 540 s call.
 The tests leave what they measured in the folder BENCH_GPU_CHECK_WORK names, which goes into the archive."""
 import argparse
 import contextlib
@@ -46,7 +47,7 @@ STEPS = {  # each step's work in run start-ups: (on the GPU, on the CPU), read a
     "warm up": (1.5, 1),  # a cold machine's first import reads CUDA's libraries from disk
     "doctor": (1.5, 2.5),  # collect_env (1), nvidia-smi and git (0.5); on the CPU also the all-reduce (1)
     "gpu tests": (3.0, 1),  # pytest (0.5), 01, 02 and 04 at once (1.5), never-waits (0.5), step forms (0.5)
-    "two ranks": (3.5, 1),  # pytest (0.5), 01, the modes and the four checks, all at once (3)
+    "two ranks": (4.0, 1),  # pytest (0.5), 01, the modes and the four checks at once (3), the all-reduce (0.5)
     "sweep": (3.7, 4),  # collect_env (1.2), the loader's measurement (1), 01 (1), report and plots (0.5)
 }
 LIGHTNING = (0.5, 0)  # 07's two nodes, in the two ranks step where Lightning is installed

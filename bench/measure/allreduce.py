@@ -49,8 +49,17 @@ def backend_for(device):
     return backend if dist.is_backend_available(backend) else "gloo"
 
 
+def sharing_one_gpu(rank):
+    """What a rank needs to share a GPU with another: NCCL takes them for two hosts, joined over loopback (NCCL
+    2.30 allows it; NCCL_HOSTID makes older versions take it too: tests/integration/test_gpu.py)."""
+    return {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_HOSTID": f"rank-{rank}-of-one-gpu", "NCCL_SOCKET_IFNAME": "lo"}
+
+
 def worker(rank, args, params):
-    device = torch.device("cpu") if args.cpu else torch.device("cuda", rank)
+    gpus = 0 if args.cpu else torch.cuda.device_count()
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", rank % max(1, gpus))
+    if 0 < gpus < args.nprocs:  # more ranks than GPUs: each still runs its all-reduce through NCCL
+        os.environ.update(sharing_one_gpu(rank))
     torch.set_num_threads(max(1, cpu_cores() // args.nprocs))  # the scripts' rule: cores / processes
     dist.init_process_group(backend_for(device), rank=rank, world_size=args.nprocs,
                             timeout=timedelta(seconds=60), device_id=None if args.cpu else device)
@@ -83,7 +92,7 @@ def report(args, rows, backend, device, params):
 def main(argv=None):
     m01 = load_script()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nprocs", type=in_range(1), default=2, help="processes, one per GPU (default 2)")
+    p.add_argument("--nprocs", type=in_range(1), default=2, help="processes, one per GPU, or sharing (default 2)")
     p.add_argument("--cpu", action="store_true", help="gloo on the CPU (default: a GPU each, NCCL where torch has it)")
     p.add_argument("--min-bytes", type=in_range(4), default=4 << 10, help="smallest message (default 4 KiB)")
     p.add_argument("--max-bytes", type=in_range(4), default=64 << 20, help="largest message (default 64 MiB)")

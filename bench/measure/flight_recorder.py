@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from bench.machine import free_port
+from bench.measure.allreduce import sharing_one_gpu
 
 RANKS = 2
 TIMEOUT_S = 5  # how long rank 0 waits in the all-reduce that rank 1 skipped
@@ -66,8 +67,7 @@ def rank_main(rank, port, out, cpu):
 def rank_env(rank, out, cpu):
     env = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(out, PREFIX)}
     if not cpu and torch.cuda.device_count() < RANKS:
-        # Two ranks on one GPU: NCCL takes them for two hosts, joined over loopback (tests/integration/test_gpu.py).
-        env.update(NCCL_MULTI_RANK_GPU_ENABLE="1", NCCL_HOSTID=f"flight-recorder-{rank}", NCCL_SOCKET_IFNAME="lo")
+        env.update(sharing_one_gpu(rank))
     return {**os.environ, **env}
 
 

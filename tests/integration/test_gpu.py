@@ -364,3 +364,15 @@ def test_each_step_form_is_timed_on_cuda(tmp_path):
     result = json.loads(path.read_text())
     assert all(result["forms"][form]["samples_per_s"] > 0 for form in step_forms.FORMS), result
     assert result["capture_check"]["matches"] and result["device"] == "cuda"
+
+
+@pytest.mark.two_ranks
+def test_the_all_reduce_measurement_runs_two_ranks_on_one_gpu_through_nccl(tmp_path, monkeypatch):
+    """bench.measure.allreduce with more ranks than GPUs: each rank shares GPU 0, as the two-ranks runs do."""
+    from bench.measure import allreduce
+    monkeypatch.setitem(os.environ, "CUDA_VISIBLE_DEVICES", GPUS["CUDA_VISIBLE_DEVICES"].split(",")[0])
+    path = kept(tmp_path, ".") / "allreduce-n2-one-gpu.json"
+    allreduce.main(["--nprocs", "2", "--max-bytes", str(1 << 22), "--iters", "5", "--json", str(path), "--no-env"])
+    result = json.loads(path.read_text())
+    assert (result["backend"], result["world_size"], result["device_type"]) == ("nccl", 2, "cuda")
+    assert result["gradient_row"]["busbw_gb_s"] > 0
