@@ -147,7 +147,7 @@ def main(argv=None):
                             + [f"SKIPPED, not a pass: {', '.join(skipped)}"] * bool(skipped)) or "every step passed"
         report.write(f"== {verdict}\n")
     with tarfile.open(os.path.join(args.out, "gpu-check.tgz"), "w:gz") as archive:  # a cut step's files too
-        archive.add(work, arcname="gpu-check", filter=lambda f: None if f.name.endswith(".pt") else f)
+        archive.add(work, arcname="gpu-check", filter=lambda f: None if f.name.endswith((".pt", ".distcp")) else f)
     print(f"{args.out}/gpu-check.log and gpu-check.tgz; {verdict}")
     return 1 if failed or skipped else 0
 
