@@ -65,7 +65,8 @@ def rank_main(rank, port, out, cpu):
 
 
 def rank_env(rank, out, cpu):
-    env = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(out, PREFIX)}
+    env = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+           "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(out, PREFIX)}
     if not cpu and torch.cuda.device_count() < RANKS:
         env.update(sharing_one_gpu(rank))
     return {**os.environ, **env}
@@ -80,7 +81,8 @@ def agree(out):
             dump = pickle.load(f)
         for entry in dump.get("entries", []):
             name, desc = entry["process_group"]
-            dump["pg_config"].setdefault(name, dict(name=name, desc=desc, ranks=str(list(range(RANKS)))))
+            every = str(list(range(RANKS)))
+            dump["pg_config"].setdefault(name, dict(name=name, desc=desc, ranks=every))
         with open(path, "wb") as f:
             pickle.dump(dump, f)
 
