@@ -57,7 +57,7 @@ def sharing_one_gpu(rank):
 
 def worker(rank, args, params):
     gpus = 0 if args.cpu else torch.cuda.device_count()
-    device = torch.device("cpu") if args.cpu else torch.device("cuda", rank % max(1, gpus))
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", rank % gpus if gpus else rank)
     if 0 < gpus < args.nprocs:  # more ranks than GPUs: each still runs its all-reduce through NCCL
         os.environ.update(sharing_one_gpu(rank))
     torch.set_num_threads(max(1, cpu_cores() // args.nprocs))  # the scripts' rule: cores / processes
