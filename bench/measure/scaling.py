@@ -29,7 +29,8 @@ import json
 import os
 import sys
 
-from bench.family import MODES
+from bench.family import MODES, REPO
+from bench.machine import environment
 from bench.outputs import write_json
 
 NS = (2, 4, 8)
@@ -137,6 +138,8 @@ def main(argv=None):
         write_json(args.json, dict(prediction=True, source=args.folder, cores=cores, step_ms=args.step_ms,
                                    busbw_gb_s=args.busbw, t1_ms=sweep["t1_ms"], e_n=predicted,
                                    argv=sys.argv if argv is None else argv))
+        # The machine and versions that computed it, beside it, as the other tools write theirs.
+        write_json(os.path.join(os.path.dirname(os.path.abspath(args.json)), "env.json"), environment(REPO, []))
     return 0
 
 

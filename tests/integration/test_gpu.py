@@ -219,10 +219,8 @@ def killed_ranks(folder):
              {**two_ranks_on_one_gpu(rank), **hook}) for rank in (0, 1)]
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """Every two-ranks run, and 01's beside them: the reference of their updates; and the four checks."""
-    tmp = tmp_path_factory.mktemp("two-ranks")
+def four_checks(tmp):
+    """The checks that start with the two-ranks runs, as train_at_once takes them: {name: (folder, commands)}."""
     folders = {script: kept(tmp, f"anatomy/{script[:2]}") for script in ANATOMY}
     checks = {script: (folder, anatomy_ranks(script, folder)) for script, folder in folders.items()}
     killed = kept(tmp, "killed")
@@ -235,7 +233,14 @@ def two_ranks(tmp_path_factory):
     recorder = kept(tmp, "flight-recorder")
     checks["flight recorder"] = (recorder, [([sys.executable, "-m", "bench.measure.flight_recorder", "--out",
                                               recorder], {})])
-    return train_at_once([REFERENCE, *TWO_RANKS], tmp, TWO_RANKS_TIMEOUT_S, checks)
+    return checks
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Every two-ranks run, and 01's beside them: the reference of their updates; and the four checks."""
+    tmp = tmp_path_factory.mktemp("two-ranks")
+    return train_at_once([REFERENCE, *TWO_RANKS], tmp, TWO_RANKS_TIMEOUT_S, four_checks(tmp))
 
 
 @pytest.mark.two_ranks

@@ -50,11 +50,9 @@ def test_the_two_ranks_steps_four_checks_run_on_the_cpu_as_on_the_gpu(tmp_path, 
     """The anatomy of 03 and 08, 12 killed and resumed, the flight recorder: started as the GPU check starts them,
     all at once, here as two gloo ranks. On gloo the bytes are gloo's closed forms: 08's gradient all-reduced."""
     monkeypatch.setattr(gpu_tests, "WORK", str(tmp_path / "archive"))
-    folders = {script: gpu_tests.kept(tmp_path, f"anatomy/{script[:2]}") for script in gpu_tests.ANATOMY}
-    checks = {script: (folder, gpu_tests.anatomy_ranks(script, folder)) for script, folder in folders.items()}
-    killed, recorder = gpu_tests.kept(tmp_path, "killed"), gpu_tests.kept(tmp_path, "flight-recorder")
-    checks["killed"] = (killed, gpu_tests.killed_ranks(killed))
-    checks["flight recorder"] = (recorder, [([PY, "-m", "bench.measure.flight_recorder", "--out", recorder], {})])
+    checks = gpu_tests.four_checks(tmp_path)
+    checks.pop("nccl2")  # NCCL2 is NCCL's alone: on the CPU it would be 03 again
+    killed, recorder = checks["killed"][0], checks["flight recorder"][0]
     runs = gpu_tests.train_at_once([], tmp_path, 240, checks)
     assert all(r.failure is None for r in runs.values()), {k: r.failure for k, r in runs.items()}
     for script, form in zip(gpu_tests.ANATOMY, [ddp(), fsdp(2)]):
