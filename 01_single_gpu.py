@@ -188,6 +188,7 @@ def run(args, world):
                   f"{test['test_accuracy']:.2%} of {test['test_samples']} test samples", flush=True)
     if world.is_main and args.save_model:
         torch.save(net.state_dict(), args.save_model)
+    world.mode = "single"  # the record's name for this script  # measure
     write_record(args.metrics_json, args, world, epochs)  # measure
 
 
@@ -235,14 +236,16 @@ def write_record(path, args, world, epochs):  # what only the run knows; bench/ 
     chips, last, group = getattr(world, "devices", [world.device]), epochs[-1], world.world_size
     sums = {k: sum(e[k] for e in epochs) for k in ["steps", "steady_samples", "steady_time_s"]}
     record = dict(
-        schema=1, device_type=world.device.type, world_size=group * len(chips), **sums, lr=args.lr,
+        schema=1, script=os.path.basename(__file__), mode=world.mode, lr=args.lr,
+        torch_version=torch.__version__, threads=torch.get_num_threads(), synthetic=args.synthetic,
         device_names=[torch.cuda.get_device_name(d) if d.type == "cuda" else d.type for d in chips],
         nodes=getattr(world, "nodes", group // int(os.environ.get("LOCAL_WORLD_SIZE", group))),
         backend=torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
-        threads=torch.get_num_threads(), global_batch=last["train_samples"] // last["steps"],
-        train_samples=sum(e["train_samples"] for e in epochs), epochs_detail=epochs,
-        samples_per_s=sums["steady_samples"] / sums["steady_time_s"], test_loss=last["test_loss"],
-        test_accuracy=last["test_accuracy"], peak_memory_bytes=last["peak_memory_bytes"])
+        device_type=world.device.type, world_size=group * len(chips), **sums, epochs_detail=epochs,
+        per_device_batch=args.batch_size // len(chips), peak_memory_bytes=last["peak_memory_bytes"],
+        global_batch=last["train_samples"] // last["steps"], epochs=args.epochs, argv=sys.argv,
+        train_samples=sum(e["train_samples"] for e in epochs), test_accuracy=last["test_accuracy"],
+        samples_per_s=sums["steady_samples"] / sums["steady_time_s"], test_loss=last["test_loss"])
     print(f"{os.path.basename(__file__)}: {record['samples_per_s']:.0f} samples/s, world size "
           f"{record['world_size']}, {world.device}{', random data' if args.synthetic else ''}")
     if path:  # whole or not at all: renamed once written

@@ -86,7 +86,7 @@ def parse_args(argv=None):  # each flag checked as it is read: a bad value must 
                    default=torch.accelerator.device_count() or 1)  # multinode: one per GPU
     p.add_argument("--nr", "--node-rank", type=in_range(0), default=0, help="this node, 0..nodes-1")
     p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address")  # multinode
-    p.add_argument("--master-port", type=in_range(1, 65536), help="a free port on node 0",
+    p.add_argument("--master-port", type=in_range(1, 65536), help="a free port on rank 0's machine",
                    default=int(os.environ.get("MASTER_PORT", 29500)))  # spawn: where they meet
     try:
         args = p.parse_args(argv)  # spawn: then checked against this machine's GPUs
@@ -209,15 +209,12 @@ def evaluate(net, test_batches, world):  # loss, accuracy, and how many samples 
 
 def run(args, world):
     torch.manual_seed(args.seed + world.rank)  # DDP: its own dropout; DDP copies rank 0's weights
-    if world.rank != 0:  # multinode: rank 0 first, in case the nodes share the folder
-        dist.barrier()
-    if world.local_rank != 0:
+    # multinode: rank 0 loads first (nodes may share a folder), then each node's first, the rest
+    for _ in range((world.rank != 0) + (world.local_rank != 0)):  # multinode: 0, 1 or 2 waits
         dist.barrier()  # DDP: one process per machine makes the files (MNIST: a download) first
     training, testing = load_data(args, world.rank, world.world_size, world.device)
-    if world.local_rank == 0:
+    for _ in range((world.rank == 0) + (world.local_rank == 0)):  # multinode: 2, 1 or 0 after
         dist.barrier()  # DDP: the files are there
-    if world.rank == 0:
-        dist.barrier()  # multinode: then the first process of each other node, then the others
     net = Net(dropout=not args.no_dropout).to(world.device)
     model = DDP(net)  # DDP: averages the gradients of all ranks in backward()
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
@@ -235,6 +232,7 @@ def run(args, world):
                   f"{test['test_accuracy']:.2%} of {test['test_samples']} test samples", flush=True)
     if world.is_main and args.save_model:
         torch.save(net.state_dict(), args.save_model)
+    world.mode = "ddp_multinode"  # multinode: the record's name for this script  # measure
     write_record(args.metrics_json, args, world, epochs)  # measure
 
 
@@ -289,14 +287,16 @@ def write_record(path, args, world, epochs):  # what only the run knows; bench/ 
     chips, last, group = getattr(world, "devices", [world.device]), epochs[-1], world.world_size
     sums = {k: sum(e[k] for e in epochs) for k in ["steps", "steady_samples", "steady_time_s"]}
     record = dict(
-        schema=1, device_type=world.device.type, world_size=group * len(chips), **sums, lr=args.lr,
+        schema=1, script=os.path.basename(__file__), mode=world.mode, lr=args.lr,
+        torch_version=torch.__version__, threads=torch.get_num_threads(), synthetic=args.synthetic,
         device_names=[torch.cuda.get_device_name(d) if d.type == "cuda" else d.type for d in chips],
         nodes=getattr(world, "nodes", group // int(os.environ.get("LOCAL_WORLD_SIZE", group))),
         backend=torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
-        threads=torch.get_num_threads(), global_batch=last["train_samples"] // last["steps"],
-        train_samples=sum(e["train_samples"] for e in epochs), epochs_detail=epochs,
-        samples_per_s=sums["steady_samples"] / sums["steady_time_s"], test_loss=last["test_loss"],
-        test_accuracy=last["test_accuracy"], peak_memory_bytes=last["peak_memory_bytes"])
+        device_type=world.device.type, world_size=group * len(chips), **sums, epochs_detail=epochs,
+        per_device_batch=args.batch_size // len(chips), peak_memory_bytes=last["peak_memory_bytes"],
+        global_batch=last["train_samples"] // last["steps"], epochs=args.epochs, argv=sys.argv,
+        train_samples=sum(e["train_samples"] for e in epochs), test_accuracy=last["test_accuracy"],
+        samples_per_s=sums["steady_samples"] / sums["steady_time_s"], test_loss=last["test_loss"])
     print(f"{os.path.basename(__file__)}: {record['samples_per_s']:.0f} samples/s, world size "
           f"{record['world_size']}, {world.device}{', random data' if args.synthetic else ''}")
     if path:  # whole or not at all: renamed once written

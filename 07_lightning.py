@@ -222,6 +222,7 @@ class MNISTModule(L.LightningModule):  # Lightning: 03's train_epoch, evaluate a
             device=trainer.strategy.root_device, rank=trainer.global_rank,
             world_size=trainer.world_size, is_main=trainer.is_global_zero)
         world.nodes = trainer.num_nodes  # measure: the record's
+        world.mode = "lightning"  # Lightning: the record's name for this script  # measure
         torch.manual_seed(args.seed + world.rank)  # DDP: its own dropout; DDP copies rank 0's
         self.train_batches, self.test_batches = load_data(args, world.rank, world.world_size,
                                                           world.device)  # DDP: this rank's share
@@ -371,14 +372,16 @@ def write_record(path, args, world, epochs):  # what only the run knows; bench/ 
     chips, last, group = getattr(world, "devices", [world.device]), epochs[-1], world.world_size
     sums = {k: sum(e[k] for e in epochs) for k in ["steps", "steady_samples", "steady_time_s"]}
     record = dict(
-        schema=1, device_type=world.device.type, world_size=group * len(chips), **sums, lr=args.lr,
+        schema=1, script=os.path.basename(__file__), mode=world.mode, lr=args.lr,
+        torch_version=torch.__version__, threads=torch.get_num_threads(), synthetic=args.synthetic,
         device_names=[torch.cuda.get_device_name(d) if d.type == "cuda" else d.type for d in chips],
         nodes=getattr(world, "nodes", group // int(os.environ.get("LOCAL_WORLD_SIZE", group))),
         backend=torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
-        threads=torch.get_num_threads(), global_batch=last["train_samples"] // last["steps"],
-        train_samples=sum(e["train_samples"] for e in epochs), epochs_detail=epochs,
-        samples_per_s=sums["steady_samples"] / sums["steady_time_s"], test_loss=last["test_loss"],
-        test_accuracy=last["test_accuracy"], peak_memory_bytes=last["peak_memory_bytes"])
+        device_type=world.device.type, world_size=group * len(chips), **sums, epochs_detail=epochs,
+        per_device_batch=args.batch_size // len(chips), peak_memory_bytes=last["peak_memory_bytes"],
+        global_batch=last["train_samples"] // last["steps"], epochs=args.epochs, argv=sys.argv,
+        train_samples=sum(e["train_samples"] for e in epochs), test_accuracy=last["test_accuracy"],
+        samples_per_s=sums["steady_samples"] / sums["steady_time_s"], test_loss=last["test_loss"])
     print(f"{os.path.basename(__file__)}: {record['samples_per_s']:.0f} samples/s, world size "
           f"{record['world_size']}, {world.device}{', random data' if args.synthetic else ''}")
     if path:  # whole or not at all: renamed once written

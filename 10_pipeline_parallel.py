@@ -86,7 +86,7 @@ def parse_args(argv=None):  # each flag checked as it is read: a bad value must 
         sys.exit(f"error: {e}")  # one line on stderr, exit status 1, as every bad input here
 
 
-def attempt_store(rank):  # DDP: a restart must not read its killed attempt's keys
+def attempt_store(rank):  # DDP, for restarts: one attempt must not read a killed one's keys
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None  # not under torchrun's agent: init_process_group makes a fresh store
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),  # DDP
@@ -108,8 +108,7 @@ def setup(args):  # where this process trains (an accelerator if there is one); 
     if device.type != "cpu":  # DDP: one GPU per process, the current device for collectives
         if per_node > torch.accelerator.device_count():
             sys.exit(f"error: {per_node} processes on this machine but "
-                     f"{torch.accelerator.device_count()} GPU(s): start fewer, or add --cpu to try "
-                     "DDP on the CPU")
+                     f"{torch.accelerator.device_count()} GPU(s): start fewer, or add --cpu")
         device = torch.device(device.type, local_rank)
         torch.accelerator.set_device_index(local_rank)
     torch.set_num_threads(args.threads or torch.get_num_threads())  # 0: PyTorch's choice
@@ -176,11 +175,9 @@ def train_epoch(model, schedule, train_batches, optimizer, args, world, epoch): 
     loss_sum = torch.zeros((), device=world.device)  # float32: MPS has no float64
     for step, (inputs, labels) in enumerate(train_batches):
         optimizer.zero_grad(set_to_none=True)
-        losses = []  # PP: one a microbatch, filled on the last stage
-        if world.rank == 0:  # PP: the images go into the first stage
-            schedule.step(inputs.to(world.device, non_blocking=True))  # PP
-        else:  # PP: only the last stage gets the labels and runs loss_fn, once a microbatch
-            schedule.step(target=labels.to(world.device, non_blocking=True), losses=losses)  # PP
+        losses = []  # PP: one a microbatch, filled on the last stage, which runs loss_fn
+        feed = [inputs.to(world.device, non_blocking=True)] if world.rank == 0 else []  # PP
+        schedule.step(*feed, target=labels.to(world.device, non_blocking=True), losses=losses)  # PP
         loss = sum(losses, torch.zeros((), device=world.device)).detach() / args.microbatches  # PP
         dist.broadcast(loss, 1)  # PP: stage 1's mean loss (0 above on stage 0), for rank 0 too
         optimizer.step()
@@ -244,16 +241,16 @@ def run(args, world):
         if world.is_main:
             print(f"epoch {epoch}: train loss {train_loss:.4f}, accuracy "
                   f"{test['test_accuracy']:.2%} of {test['test_samples']} test samples", flush=True)
-    held = torch.zeros(2, dtype=torch.int64, device=world.device)  # measure: what each stage holds:
-    held[world.rank] = sum(t.nbytes for p in model.parameters()  # measure: weights, gradients,
-                           for t in [p, p.grad, *optimizer.state[p].values()] if t.dim())  # measure
-    dist.all_reduce(held)  # measure: Adadelta's averages (not its step counts), for rank 0's record
-    epochs[-1].update(bytes_per_rank=held.tolist(), microbatches=args.microbatches)  # measure
+    held = [None, None]  # measure: what each stage holds: weights, gradients, Adadelta's averages
+    dist.all_gather_object(held, sum(t.nbytes for p, state in optimizer.state.items()  # measure
+                                     for t in [p, p.grad, *state.values()] if t.dim()))  # measure
+    epochs[-1].update(bytes_per_rank=held, microbatches=args.microbatches)  # measure
     if args.save_model:  # PP: both ranks send their stage's tensors, in Net's order
         weights = [None, None]  # PP: stage 0's, stage 1's
         dist.all_gather_object(weights, [t.cpu() for t in model.state_dict().values()])  # PP
     if world.is_main and args.save_model:
         torch.save(dict(zip(net.state_dict(), weights[0] + weights[1])), args.save_model)  # PP
+    world.mode = "pipeline_parallel"  # PP: the record's name for this script  # measure
     write_record(args.metrics_json, args, world, epochs)  # measure
 
 
@@ -301,14 +298,16 @@ def write_record(path, args, world, epochs):  # what only the run knows; bench/ 
     chips, last, group = getattr(world, "devices", [world.device]), epochs[-1], world.world_size
     sums = {k: sum(e[k] for e in epochs) for k in ["steps", "steady_samples", "steady_time_s"]}
     record = dict(
-        schema=1, device_type=world.device.type, world_size=group * len(chips), **sums, lr=args.lr,
+        schema=1, script=os.path.basename(__file__), mode=world.mode, lr=args.lr,
+        torch_version=torch.__version__, threads=torch.get_num_threads(), synthetic=args.synthetic,
         device_names=[torch.cuda.get_device_name(d) if d.type == "cuda" else d.type for d in chips],
         nodes=getattr(world, "nodes", group // int(os.environ.get("LOCAL_WORLD_SIZE", group))),
         backend=torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
-        threads=torch.get_num_threads(), global_batch=last["train_samples"] // last["steps"],
-        train_samples=sum(e["train_samples"] for e in epochs), epochs_detail=epochs,
-        samples_per_s=sums["steady_samples"] / sums["steady_time_s"], test_loss=last["test_loss"],
-        test_accuracy=last["test_accuracy"], peak_memory_bytes=last["peak_memory_bytes"])
+        device_type=world.device.type, world_size=group * len(chips), **sums, epochs_detail=epochs,
+        per_device_batch=args.batch_size // len(chips), peak_memory_bytes=last["peak_memory_bytes"],
+        global_batch=last["train_samples"] // last["steps"], epochs=args.epochs, argv=sys.argv,
+        train_samples=sum(e["train_samples"] for e in epochs), test_accuracy=last["test_accuracy"],
+        samples_per_s=sums["steady_samples"] / sums["steady_time_s"], test_loss=last["test_loss"])
     print(f"{os.path.basename(__file__)}: {record['samples_per_s']:.0f} samples/s, world size "
           f"{record['world_size']}, {world.device}{', random data' if args.synthetic else ''}")
     if path:  # whole or not at all: renamed once written

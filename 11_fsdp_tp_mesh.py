@@ -95,7 +95,7 @@ def parse_args(argv=None):  # each flag checked as it is read: a bad value must 
         sys.exit(f"error: {e}")  # one line on stderr, exit status 1, as every bad input here
 
 
-def attempt_store(rank):  # DDP: a restart must not read its killed attempt's keys
+def attempt_store(rank):  # DDP, for restarts: one attempt must not read a killed one's keys
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None  # not under torchrun's agent: init_process_group makes a fresh store
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),  # DDP
@@ -117,8 +117,7 @@ def setup(args):  # where this process trains (an accelerator if there is one); 
     if device.type != "cpu":  # DDP: one GPU per process, the current device for collectives
         if per_node > torch.accelerator.device_count():
             sys.exit(f"error: {per_node} processes on this machine but "
-                     f"{torch.accelerator.device_count()} GPU(s): start fewer, or add --cpu to try "
-                     "DDP on the CPU")
+                     f"{torch.accelerator.device_count()} GPU(s): start fewer, or add --cpu")
         device = torch.device(device.type, local_rank)
         torch.accelerator.set_device_index(local_rank)
     torch.set_num_threads(args.threads or torch.get_num_threads())  # 0: PyTorch's choice
@@ -259,19 +258,18 @@ def run(args, world):
         weights = get_model_state_dict(model, options=options)  # empty on the other ranks
         if world.is_main:
             torch.save(weights, args.save_model)
+    world.mode = "fsdp_tp"  # 2D: the record's name for this script  # measure
     write_record(args.metrics_json, args, world, epochs)  # measure
 
 
 def held_bytes(model, optimizer, world):  # FSDP: what each rank holds, and DDP's copy  # measure
-    tensors = [t for p in model.parameters()  # measure: weights, gradients, optimizer state
-               for t in [p, p.grad, *optimizer.state[p].values()]  # measure
-               if t.dim()]  # TP: all but Adadelta's step counts  # measure
-    held = torch.zeros(world.world_size, dtype=torch.int64, device=world.device)  # measure
+    tensors = [t for p, state in optimizer.state.items()  # measure: weights, gradients, state
+               for t in [p, p.grad, *state.values()] if t.dim()]  # TP: no step counts  # measure
+    held = [None] * world.world_size  # measure: every rank's shards, for rank 0's record
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]  # measure  # TP
-    held[dist.get_rank()] = sum(t.nbytes for t in local)  # 2D: its shards of slices  # measure
-    dist.all_reduce(held)  # measure: every rank's, for rank 0's record
+    dist.all_gather_object(held, sum(t.nbytes for t in local))  # 2D: shards of slices  # measure
     full = sum(t.numel() * t.element_size() for t in tensors)  # measure: a DTensor's is the whole's
-    return dict(bytes_per_rank=held.tolist(), full_copy_bytes=full)  # measure
+    return dict(bytes_per_rank=held, full_copy_bytes=full)  # measure
 
 
 # ---- Measurement, for bench/ alone: delete it to `if __name__`, and the lines marked # measure.
@@ -318,14 +316,16 @@ def write_record(path, args, world, epochs):  # what only the run knows; bench/ 
     chips, last, group = getattr(world, "devices", [world.device]), epochs[-1], world.world_size
     sums = {k: sum(e[k] for e in epochs) for k in ["steps", "steady_samples", "steady_time_s"]}
     record = dict(
-        schema=1, device_type=world.device.type, world_size=group * len(chips), **sums, lr=args.lr,
+        schema=1, script=os.path.basename(__file__), mode=world.mode, lr=args.lr,
+        torch_version=torch.__version__, threads=torch.get_num_threads(), synthetic=args.synthetic,
         device_names=[torch.cuda.get_device_name(d) if d.type == "cuda" else d.type for d in chips],
         nodes=getattr(world, "nodes", group // int(os.environ.get("LOCAL_WORLD_SIZE", group))),
         backend=torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
-        threads=torch.get_num_threads(), global_batch=last["train_samples"] // last["steps"],
-        train_samples=sum(e["train_samples"] for e in epochs), epochs_detail=epochs,
-        samples_per_s=sums["steady_samples"] / sums["steady_time_s"], test_loss=last["test_loss"],
-        test_accuracy=last["test_accuracy"], peak_memory_bytes=last["peak_memory_bytes"])
+        device_type=world.device.type, world_size=group * len(chips), **sums, epochs_detail=epochs,
+        per_device_batch=args.batch_size // len(chips), peak_memory_bytes=last["peak_memory_bytes"],
+        global_batch=last["train_samples"] // last["steps"], epochs=args.epochs, argv=sys.argv,
+        train_samples=sum(e["train_samples"] for e in epochs), test_accuracy=last["test_accuracy"],
+        samples_per_s=sums["steady_samples"] / sums["steady_time_s"], test_loss=last["test_loss"])
     print(f"{os.path.basename(__file__)}: {record['samples_per_s']:.0f} samples/s, world size "
           f"{record['world_size']}, {world.device}{', random data' if args.synthetic else ''}")
     if path:  # whole or not at all: renamed once written

@@ -48,6 +48,10 @@ class BatchRule:
     def global_batch(self, per_device_batch, n):
         return per_device_batch if self.shared else n // self.shared_by * per_device_batch
 
+    @property
+    def short(self):  # the global batch at n, as the plots' legends and the summary show it
+        return "B" if self.shared else "n x B" if self.shared_by == 1 else f"n/{self.shared_by} x B"
+
 
 REPLICAS = BatchRule("replicas", "B in each of n processes, n x B in all")
 ONE_LOADER = BatchRule("one loader", "--batch-size n x B in one process, split across n GPUs", one_loader=True)

@@ -9,13 +9,19 @@ from bench.report import REFERENCE, shares_cores
 from bench.family import MODES
 
 
-def draw(path, summary, column, title, ylabel, hardware, xlabel, bars=False, scale=1, ideal=None, empty=""):
-    """column x scale against n, a line (or bars) each labelled "03 ddp_launch", [variant] and [B=...] when several."""
+def labels(summary):
+    """Each row's line: "03 ddp_launch", its global batch rule, [variant] and [B=...], each where they differ."""
     label = summary["mode"].map(lambda m: f"{MODES[m].number} {m}")  # the script's number first: reading order
-    for key, form in [("variant", " [{}]"), ("per_device_batch", " [B={}]")]:
-        if summary[key].nunique() > 1:
+    for key, form in [("rule", " (global batch {})"), ("variant", " [{}]"), ("per_device_batch", " [B={}]")]:
+        if summary[key].nunique() > 1:  # one 100% line, lines of other batch rules: the legend says which
             label += summary[key].map(form.format)
-    table = summary.assign(line=label, y=scale * summary[column]).pivot_table(index="n", columns="line", values="y")
+    return label
+
+
+def draw(path, summary, column, title, ylabel, hardware, xlabel, bars=False, scale=1, ideal=None, empty=""):
+    """column x scale against n, a line (or bars) for each of labels()."""
+    table = summary.assign(line=labels(summary), y=scale * summary[column]).pivot_table(index="n", columns="line",
+                                                                                         values="y")
     colors = "tab20" if table.shape[1] > 10 else None  # the default cycle repeats after 10 lines
     ax = Figure(figsize=(8, 5)).subplots()
     if table.empty:  # pivot_table drops the lines without a value

@@ -11,6 +11,9 @@ from bench.plan import ideal_speedup
 from bench.family import MODES, by_script
 
 REFERENCE = next(name for name, mode in MODES.items() if mode.reference)  # 01: X(01)
+# What every process keeps on its device before it trains: MNIST's 60,000 + 10,000 images (float32) and labels
+# (int64), in the scripts' MNIST class. Part of each peak; the summary shows the peak without it too.
+MNIST_BYTES = (60000 + 10000) * (1 * 28 * 28 * 4 + 8)
 
 BLOCKS = dict(re.findall(r"^<!-- (\w+) -->\n(.*?)\n*(?=^<!-- |\Z)",
                          pathlib.Path(__file__).with_name("report_template.md").read_text(), re.S | re.M))
@@ -20,11 +23,14 @@ MEDIANS = ["samples_per_s", "time_to_target_s", "test_accuracy", "test_loss", "p
 FORMATS = dict(dict.fromkeys(["speedup", "speed_ratio", "wall_ratio"], "{:.2f}x".format), bubble="{:.0%}".format,
                efficiency="{:.1%}".format, test_accuracy="{:.2%}".format, pct_of_limit="{:.0%}".format,
                accuracy_diff=lambda v: f"{100 * v:+.2f} pp", peak_memory_bytes=lambda v: f"{v / 2**20:.0f} MiB",
+               training_bytes=lambda v: f"{v / 2**20:.0f} MiB",
                in_bytes="{:,.0f}".format, out_bytes="{:,.0f}".format, predicted="{:.1%}".format)
 SUMMARY_VIEW = dict(variant="variant", mode="mode", n="n", runs="runs", world_size="world size",
-                    global_batch="global batch", samples_per_s="samples/s", bubble="pipeline bubble",
+                    rule="global batch at n", global_batch="global batch", samples_per_s="samples/s",
+                    bubble="pipeline bubble",
                     speedup="speed-up vs 01", efficiency="efficiency E(n)", time_to_target_s="time to target (s)",
-                    test_accuracy="test accuracy", peak_memory_bytes="peak memory", held_mib="held per rank (MiB)",
+                    test_accuracy="test accuracy", peak_memory_bytes="peak memory",
+                    training_bytes="peak less MNIST", held_mib="held per rank (MiB)",
                     wall_s="wall (s)")
 VERSUS_VIEW = dict(variant="variant", per_device_batch="per-GPU batch", mode="mode", n="n",
                    samples_per_s_ref="{} samples/s", samples_per_s="samples/s", speed_ratio="samples/s ratio",
@@ -77,6 +83,8 @@ def summarize(runs):
     summary["speedup"] = summary["samples_per_s"] / summary.pop("x01")
     summary["ideal_speedup"] = list(map(ideal_speedup, summary["n"], shares_cores(summary)))
     summary["efficiency"] = summary["speedup"] / summary["ideal_speedup"]
+    summary["rule"] = summary["mode"].map(lambda m: MODES[m].batch.short)
+    summary["training_bytes"] = summary["peak_memory_bytes"] - MNIST_BYTES  # NaN on the CPU, as the peak
     return summary.sort_values(["variant", "per_device_batch", "n", "mode"], ignore_index=True,
                                key=lambda c: c.map(list(MODES).index) if c.name == "mode" else c)
 
@@ -99,7 +107,7 @@ def limit_model(summary, allreduce_s):
     """Each data-parallel row against its limit (the template's limit block explains the model)."""
     data_parallel = [m.name for m in MODES.values() if not (m.reference or m.batch.shared or m.batch.shared_by > 1)]
     rows = with_01(summary[summary["mode"].isin(data_parallel)], summary).dropna(subset=["x01"])
-    step = rows["n"] * rows["per_device_batch"]  # samples a step, all devices
+    step = rows["global_batch"]  # samples a step, all devices: the record's, as trained
     t1 = step / (list(map(ideal_speedup, rows["n"], shares_cores(rows))) * rows["x01"])  # on the CPU n B / X(01)
     t_ar = rows["n"].map(lambda k: 0.0 if k == 1 else allreduce_s.get(k, math.nan))  # NaN: not measured, no limit
     return rows.assign(t1_ms=1e3 * t1, t_ar_ms=1e3 * t_ar, x_serial=step / (t1 + t_ar),

@@ -1,6 +1,5 @@
 """The sweep itself: each planned run started as a user would, timed, bounded, and its row of runs.csv."""
 import dataclasses
-import importlib.metadata
 import itertools
 import os
 import pathlib
@@ -24,11 +23,9 @@ def time_to_target(record, target):
     return next((t for t, epoch in zip(elapsed, epochs) if epoch["test_accuracy"] >= target), None)
 
 
-def completed(record, run, settings, argv):
-    """The run's record with what the harness's command says: a script writes only what the run knows."""
-    return {**record, "script": MODES[run.mode].script, "mode": run.mode, "epochs": settings.epochs,
-            "per_device_batch": run.per_device_batch, "synthetic": settings.synthetic, "argv": argv,
-            "torch_version": importlib.metadata.version("torch")}
+def completed(record, argv):
+    """The run's record with the harness's whole command as its argv: the script saw only its own arguments."""
+    return {**record, "argv": argv}
 
 
 def status(code, timed_out, record, settings, timeout):
@@ -63,7 +60,7 @@ def run_one(run, settings, out_dir):
     shutil.rmtree(snapshots, ignore_errors=True)
     record = read_json(metrics)
     if record:  # completed once, where it lies: the report and a reader of metrics/ see one record
-        record = completed(record, run, settings, cmds[0][1])
+        record = completed(record, cmds[0][1])
         write_json(metrics, record)
     state, error = status(code, timed_out, record, settings, timeout)
     if state != "ok":

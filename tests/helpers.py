@@ -126,10 +126,6 @@ def busy_note():
 RECORD_KEYS = {"schema", "script", "mode", "device_type", "device_names", "world_size", "nodes", "backend",
                "per_device_batch", "global_batch", "lr", "epochs", "steps", "train_samples", "samples_per_s",
                "epochs_detail", "test_accuracy", "test_loss", "peak_memory_bytes", "synthetic", "torch_version", "argv"}
-# What the harness adds to a run's record from the command it built (bench/sweep.py's completed): the others
-# are what only the run knows, and the script writes them.
-HARNESS_KEYS = {"script", "mode", "per_device_batch", "epochs", "synthetic", "torch_version", "argv"}
-RUN_KEYS = RECORD_KEYS - HARNESS_KEYS
 EPOCH_KEYS = {"epoch", "train_time_s", "train_loss", "test_loss", "test_accuracy", "test_samples"}
 
 

@@ -67,7 +67,7 @@ def parse_args(argv=None):  # each flag checked as it is read: a bad value must 
         sys.exit(f"error: {e}")  # one line on stderr, exit status 1, as every bad input here
 
 
-def attempt_store(rank):  # DDP: a restart must not read its killed attempt's keys
+def attempt_store(rank):  # DDP, for restarts: one attempt must not read a killed one's keys
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None  # not under torchrun's agent: init_process_group makes a fresh store
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),  # DDP
@@ -89,8 +89,7 @@ def setup(args):  # where this process trains (an accelerator if there is one); 
     if device.type != "cpu":  # DDP: one GPU per process, the current device for collectives
         if per_node > torch.accelerator.device_count():
             sys.exit(f"error: {per_node} processes on this machine but "
-                     f"{torch.accelerator.device_count()} GPU(s): start fewer, or add --cpu to try "
-                     "DDP on the CPU")
+                     f"{torch.accelerator.device_count()} GPU(s): start fewer, or add --cpu")
         device = torch.device(device.type, local_rank)
         torch.accelerator.set_device_index(local_rank)
     torch.set_num_threads(args.threads or torch.get_num_threads())  # 0: PyTorch's choice

@@ -77,7 +77,7 @@ def lost(error):  # 06: the errors we can explain; any other is a bug and keeps 
     return isinstance(error, known) or "/gloo/transport/" in str(error).split("]")[0]
 
 
-def attempt_store(args, rank):  # DDP: a restart must not read its killed attempt's keys
+def attempt_store(args, rank):  # DDP, for restarts: one attempt must not read a killed one's keys
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None  # not under torchrun's agent: init_process_group makes a fresh store
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),  # DDP
@@ -99,8 +99,7 @@ def setup(args):  # where this process trains (an accelerator if there is one); 
     if device.type != "cpu":  # DDP: one GPU per process, the current device for collectives
         if per_node > torch.accelerator.device_count():
             sys.exit(f"error: {per_node} processes on this machine but "
-                     f"{torch.accelerator.device_count()} GPU(s): start fewer, or add --cpu to try "
-                     "DDP on the CPU")
+                     f"{torch.accelerator.device_count()} GPU(s): start fewer, or add --cpu")
         device = torch.device(device.type, local_rank)
         torch.accelerator.set_device_index(local_rank)
     torch.set_num_threads(args.threads or torch.get_num_threads())  # 0: PyTorch's choice

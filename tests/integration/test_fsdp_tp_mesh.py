@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from helpers import (FSDP_TEST_BATCH as TEST_BATCH, QUICK_TEST_IMAGES, RUN_KEYS, assert_same_update,
+from helpers import (FSDP_TEST_BATCH as TEST_BATCH, QUICK_TEST_IMAGES, RECORD_KEYS, assert_same_update,
                      evaluate_on_one_process, load_script, other_kernels, rounding_spread, run, script_command,
                      train_args, with_stand_in_accelerator)
 
@@ -81,7 +81,7 @@ def test_with_cpu_beside_a_gpu_it_trains_on_the_cpu_and_only_rank_0_prints_and_r
     log = runs["stand-in log"]
     assert [line for line in log if " used " in line] == [], log  # no device call: the mesh on the CPU too
     assert len([line for line in log if line.endswith(SCRIPT)]) == DP * TP, log  # the stand-in in every rank
-    assert record["device_type"] == "cpu" and RUN_KEYS <= record.keys(), RUN_KEYS - record.keys()
+    assert record["device_type"] == "cpu" and RECORD_KEYS <= record.keys(), RECORD_KEYS - record.keys()
     assert record["steady_samples"] == record["train_samples"] - 2 * record["global_batch"]  # 2 warm-up steps left out
     assert stdout.count("epoch 2:") == 1 and stdout.count("epoch 2 step 0 ") == 1, stdout
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import (EPOCH_KEYS, NO_NETWORK, QUICK_TEST_IMAGES, RUN_KEYS, ROOT, SCRIPTS, TORCHRUN,
+from helpers import (EPOCH_KEYS, NO_NETWORK, QUICK_TEST_IMAGES, RECORD_KEYS, ROOT, SCRIPTS, TORCHRUN,
                      assert_same_update, by_script, evaluate_on_one_process, load_script, other_kernels,
                      rounding_spread, run, run_two_nodes, script_command, train_args, without_the_measurement)
 
@@ -66,7 +66,7 @@ def test_same_global_batch_gives_the_same_update(same_batch_runs, rounding):
 
 def test_metrics_record_is_complete_and_consistent(same_batch_runs):
     for script, (_, record, _) in same_batch_runs.items():
-        assert RUN_KEYS <= record.keys(), f"{script} misses {RUN_KEYS - record.keys()}"
+        assert RECORD_KEYS <= record.keys(), f"{script} misses {RECORD_KEYS - record.keys()}"
         assert record["schema"] == 1
         batch = by_script(script).batch  # n x B, or 09's one batch B that every rank shares
         per_device = 2 * B if batch.one_loader or batch.shared else 2 * B // record["world_size"]

@@ -115,7 +115,7 @@ def hand_made_summary(device_type="cuda"):
             ("base", "ddp_launch", 2, 1500, 0.50, 12), ("base", "ddp_spawn", 4, 2000, 0.50, 13),
             ("base", "ddp_fault_tolerant", 2, 1200, 0.50, 18), ("base", "lightning", 2, 1000, 0.50, 24),
             ("fast", "single", 1, 2000, 0.52, 9), ("fast", "ddp_launch", 2, 2500, 0.49, 10)]
-    return pd.DataFrame([dict(variant=v, per_device_batch=64, mode=m, n=n, samples_per_s=float(x),
+    return pd.DataFrame([dict(variant=v, per_device_batch=64, global_batch=64 * n, mode=m, n=n, samples_per_s=float(x),
                               test_accuracy=a, wall_s=float(w), device_type=device_type)
                          for v, m, n, x, a, w in rows])
 
@@ -216,6 +216,11 @@ def test_the_report_says_what_e_n_is_where_ranks_share_a_batch_and_leaves_them_o
     assert set(report.limit_model(summary, {4: 0.01})["mode"]) == {"ddp_launch"}
     without = report.head(dict(hardware="a machine"), summary[summary["mode"] != "fsdp_tp"], settings)
     assert "**09: n ranks" in without and "pairs of ranks" not in without
+    # One axis, one 100% line: each line and each summary row says which global batch it trained.
+    assert list(plots.labels(summary)) == ["01 single (global batch n x B)", "03 ddp_launch (global batch n x B)",
+                                           "09 tensor_parallel (global batch B)", "11 fsdp_tp (global batch n/2 x B)"]
+    assert list(summary["rule"]) == ["n x B", "n x B", "B", "n/2 x B"] and "global batch at n" in report.SUMMARY_VIEW.values()
+    assert list(plots.labels(summary[summary["mode"].isin(["single", "ddp_launch"])])) == ["01 single", "03 ddp_launch"]
 
 
 @pytest.mark.parametrize("name", [name for name, mode in MODES.items() if mode.versus_parent])
@@ -394,21 +399,15 @@ def test_every_script_accepts_the_commands_the_harness_gives_it(settings, tmp_pa
             assert args.batch_size == run.per_device_batch * (run.n if run.mode == "dp" else 1), argv
 
 
-def test_the_harness_completes_each_record_with_what_the_script_would_have_written(tmp_path):
-    """A script writes what only the run knows, its lr among them; the sweep adds the rest from its command. Each
-    script's own parser, given that command, must agree with what the sweep writes: its batch and epochs."""
+def test_the_harness_keeps_the_record_a_run_wrote_and_gives_it_the_whole_command(tmp_path):
+    """A script writes its record whole (test_each_mode_runs checks its keys); the sweep only replaces argv,
+    which saw the script's own arguments, with the launch it made: torchrun and its flags included."""
     settings = dataclasses.replace(gpu_settings([]), max_n=2, synthetic=True, epoch_images=6 * 64)
     runs, _ = plan.plan(settings, MODES, [("base", [])], repeats=1)
-    for run in runs:
-        for _, argv in commands(run, settings, tmp_path / "m.json", tmp_path / "s.pt")[:1]:
-            script = next(arg for arg in argv if arg.endswith(".py"))
-            args = load_script(script).parse_args(argv[argv.index(script) + 1:])
-            record = sweep.completed({"samples_per_s": 1.0}, run, settings, argv)
-            assert (record["script"], record["mode"]) == (MODES[run.mode].script, run.mode)
-            assert (record["epochs"], record["synthetic"]) == (args.epochs, args.synthetic)
-            assert record["per_device_batch"] == run.per_device_batch and record["argv"] == argv
-            assert record["samples_per_s"] == 1.0 and record["torch_version"]  # the run's own keys kept
-    assert sweep.completed({"lr": 0.5}, run, settings, argv + ["--lr", "0.5"])["lr"] == 0.5  # the run's own
+    run = next(r for r in runs if r.mode == "ddp_launch" and r.n == 2)
+    (_, argv), = commands(run, settings, tmp_path / "m.json", tmp_path / "s.pt")
+    written = {"mode": "ddp_launch", "lr": 0.5, "argv": ["03_ddp_launch.py", "--lr", "0.5"]}
+    assert sweep.completed(written, argv) == {**written, "argv": argv} and "torch.distributed.run" in argv
 
 
 def test_a_fresh_clone_sweeps_beside_the_results_it_ships(tmp_path, monkeypatch, capsys):
@@ -492,3 +491,13 @@ def test_a_node_that_failed_leaves_its_peer_peer_grace_s_not_the_whole_timeout(t
     code, timed_out = run_processes([failed, waits], [tmp_path / "node0.log", tmp_path / "node1.log"], timeout=120)
     took = time.monotonic() - started
     assert (code, timed_out) == (3, False) and took < slack(1 + processes.KILL_GRACE_S + 3), (code, timed_out, took)
+
+
+def test_the_summary_shows_the_peak_and_the_peak_less_the_mnist_each_process_keeps_on_its_device():
+    """01's peak on the H200 was 332 MiB, of which MNIST's tensors were 210: training took 122 MiB, not 332."""
+    runs = pd.DataFrame([dict(variant="base", per_device_batch=64, mode="single", n=1, samples_per_s=1.0,
+                              status="ok", device_type="cuda", peak_memory_bytes=332 * 2**20)])
+    summary = report.summarize(runs.reindex(columns=outputs.COLUMNS))
+    assert report.MNIST_BYTES == 220_080_000
+    assert summary.loc[0, "training_bytes"] == 332 * 2**20 - report.MNIST_BYTES
+    assert "| 332 MiB | 122 MiB |" in report.markdown(summary, report.SUMMARY_VIEW)

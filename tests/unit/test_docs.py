@@ -34,7 +34,7 @@ TOP_LEVEL = {"bench", "tests", "slurm", "docs", "results", "tools", ".ci"}
 README = ROOT / "README.md"
 MAINTAINERS = ROOT / "docs" / "maintainers.md"
 README_LINES = 320  # DESIGN.md's
-MEASUREMENT_LINES = 60
+MEASUREMENT_LINES = 62  # 60 until the record named its script, mode and data itself (issue 60)
 # A learner's order: the words, why DDP, the scripts, the reader's machine, the errors, the posts, the benchmark,
 # then the way on. Each a prefix of a heading.
 SECTIONS = ["Words you will meet", "Why DDP", "Set-up", "The scripts", "Running on the machine you have",

@@ -8,9 +8,10 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from bench import plan
-from helpers import (EPOCH_KEYS, MODES, RUN_KEYS, TRAIN_IMAGES, as_on_cuda, free_port, processes_for, run,
+from helpers import (EPOCH_KEYS, MODES, RECORD_KEYS, TRAIN_IMAGES, as_on_cuda, free_port, processes_for, run,
                      run_two_nodes, script_command, trained_as_on_cuda, write_fake_mnist)
 
 # Per process: 8 steps of 16 images (32 in one step for the modes of two processes). 8: a host read made at every
@@ -74,7 +75,11 @@ def test_each_mode_trains_and_writes_its_record(name, runs):
     result, metrics, _ = finished(name, runs)
     assert "epoch 1:" in result.stdout, result.stdout
     record = json.loads(metrics.read_text())
-    assert RUN_KEYS <= record.keys(), f"{mode.script} misses {RUN_KEYS - record.keys()}"
+    assert RECORD_KEYS <= record.keys(), f"{mode.script} misses {RECORD_KEYS - record.keys()}"
+    # The record says what ran, as the family table and the command do: no harness needed to tell them apart.
+    assert (record["script"], record["mode"], record["epochs"]) == (mode.script, name, 1)
+    assert (record["per_device_batch"], record["synthetic"]) == (BATCH, False)
+    assert record["torch_version"] == torch.__version__ and record["argv"][0].endswith(mode.script)
     assert record["world_size"] == world_size(mode), mode.script
     global_batch = mode.batch.global_batch(BATCH, world_size(mode))  # 09's ranks share one batch
     assert (record["steps"], record["global_batch"]) == (STEPS, global_batch)
@@ -97,5 +102,7 @@ def test_each_mode_takes_cudas_default_paths_and_never_waits_at_a_step(name, run
             blocking, _ = process["copies"][function]
             assert blocking == 0, f"{MODES[name].script}: {function} copies a batch without non_blocking=True"
     if MODES[name].script != "07_lightning.py":  # Lightning copies the batch itself, non-blocking on CUDA
-        per_step = 1 if MODES[name].script == "10_pipeline_parallel.py" else 2  # 10: images on 0, labels on 1
-        assert all(process["copies"]["train_epoch"][1] == per_step * STEPS for process in processes), processes
+        # Each rank copies its batch's images and labels; 10's stage 1 takes no images, only the labels.
+        per_step = [1, 2] if MODES[name].script == "10_pipeline_parallel.py" else [2] * len(processes)
+        copies = sorted(process["copies"]["train_epoch"][1] for process in processes)
+        assert copies == [each * STEPS for each in per_step], processes

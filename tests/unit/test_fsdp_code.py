@@ -29,7 +29,7 @@ def test_bad_input_is_refused_in_one_line_as_03_refuses_it(monkeypatch):
     for key, value in {**launcher_env(world_size=2), "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(key, value)
     assert refusal("08_fsdp.py") == refusal("03_ddp_launch.py") == (
-        "error: 2 processes on this machine but 1 GPU(s): start fewer, or add --cpu to try DDP on the CPU")
+        "error: 2 processes on this machine but 1 GPU(s): start fewer, or add --cpu")
     assert refusal("08_fsdp.py", ["--lr", "nan"]).startswith("error: argument --lr: must be in")
     monkeypatch.delenv("RANK")  # started with python, not torchrun
     assert refusal("08_fsdp.py").startswith("error: start me with torchrun --standalone --nproc_per_node N")

@@ -129,3 +129,19 @@ def test_an_epoch_is_only_full_batches_and_a_batch_larger_than_the_share_is_refu
     args.batch_size = 2000
     with pytest.raises(SystemExit, match="is more than the 1366 samples"):
         m.load_data(args, 0, 3, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_mnist_on_the_device_is_what_the_report_takes_off_the_peak(script, quick_mnist_dir):
+    """Each process keeps both splits on its device; the report's "peak less MNIST" takes off MNIST_BYTES.
+    Random data has MNIST's sizes; real files, here a small MNIST, the same bytes per row."""
+    from bench.report import MNIST_BYTES
+    mnist = load_script(script).MNIST
+    sizes = {}
+    for synthetic in (True, False):
+        args = SimpleNamespace(synthetic=synthetic, seed=1, data_dir=str(quick_mnist_dir))
+        splits = [mnist(args, train, torch.device("cpu")) for train in (True, False)]
+        sizes[synthetic] = (sum(len(s) for s in splits),
+                            sum(t.nbytes for s in splits for t in (s.images, s.labels)))
+    assert sizes[True] == (70000, MNIST_BYTES)
+    assert sizes[False][1] * 70000 == MNIST_BYTES * sizes[False][0]
