@@ -4,14 +4,13 @@
     python bench/anatomy.py 10_pipeline_parallel.py --nproc 2 --out anatomy-10 -- --schedule 1f1b
 
 It starts the script as the harness does, with random data, and leaves the script as it is. tools/copy_hook
-starts the profiler in every process (bench/anatomy_hook.py). The first steps are skipped; the next --steps
+starts the profiler in every process (bench/measure/anatomy_hook.py). The first steps are skipped; the next --steps
 are profiled. DIR gets each rank's trace (Perfetto and chrome://tracing open it), timeline.png and anatomy.json.
 
 A step is what lies between the ends of two optimizer steps. Its time splits four ways, adding up to it:
 compute alone, compute with a collective under way (overlapped), a wait on a collective while every rank waits
 (exposed communication), and idle: a wait while another rank still computes, as in a pipeline's bubble.
 """
-import argparse
 import gzip
 import json
 import math
@@ -30,7 +29,7 @@ from bench.processes import log_tail, run_processes  # noqa: E402
 
 SKIP = 3  # steps left out before the profiled ones: the first pay for allocation and warm-up
 HOOK = os.path.join(REPO, "tools", "copy_hook")
-START_MARK = "anatomy: first step starts"  # bench/anatomy_hook.py's
+START_MARK = "anatomy: first step starts"  # bench/measure/anatomy_hook.py's
 BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4, "bool": 1,
          "Float": 4, "Double": 8, "BFloat16": 2, "Half": 2, "Long": 8, "Int": 4}
 # A rank waits in these; the time is not compute. gloo's own events name their collective: gloo:all_reduce.

@@ -21,13 +21,14 @@ KEYS = ["variant", "per_device_batch", "mode", "n"]
 FIRSTS = ["world_size", "nodes", "global_batch", "loader_batch", "device_type"]
 MEDIANS = ["samples_per_s", "time_to_target_s", "test_accuracy", "test_loss", "peak_memory_bytes", "wall_s"]
 FORMATS = dict(dict.fromkeys(["speedup", "speed_ratio", "wall_ratio"], "{:.2f}x".format), bubble="{:.0%}".format,
-               efficiency="{:.1%}".format, test_accuracy="{:.2%}".format, pct_of_limit="{:.0%}".format,
+               efficiency="{:.1%}".format, spread="{:.0%}".format, test_accuracy="{:.2%}".format,
+               pct_of_limit="{:.0%}".format,
                accuracy_diff=lambda v: f"{100 * v:+.2f} pp", peak_memory_bytes=lambda v: f"{v / 2**20:.0f} MiB",
                training_bytes=lambda v: f"{v / 2**20:.0f} MiB",
                in_bytes="{:,.0f}".format, out_bytes="{:,.0f}".format, predicted="{:.1%}".format)
 SUMMARY_VIEW = dict(variant="variant", mode="mode", n="n", runs="runs", world_size="world size",
                     rule="global batch at n", global_batch="global batch", samples_per_s="samples/s",
-                    bubble="pipeline bubble",
+                    bubble="pipeline bubble", spread="samples/s spread",
                     speedup="speed-up vs 01", efficiency="efficiency E(n)", time_to_target_s="time to target (s)",
                     test_accuracy="test accuracy", peak_memory_bytes="peak memory",
                     training_bytes="peak less MNIST", held_mib="held per rank (MiB)",
@@ -79,7 +80,9 @@ def summarize(runs):
     """Median of the ok runs per (variant, per-device batch, mode, n); E(n) = X(n) / (ideal speed-up x X(01))."""
     groups = runs[runs["status"] == "ok"].groupby(KEYS, sort=False)
     summary = groups[FIRSTS].first().join(groups[MEDIANS].median()).assign(runs=groups.size()).reset_index()
-    summary = with_01(summary.reindex(columns=KEYS + ["runs"] + FIRSTS + MEDIANS), summary)
+    speeds = groups["samples_per_s"]  # the runs of a row apart: (fastest - slowest) / median, 0 for one run
+    summary["spread"] = ((speeds.max() - speeds.min()) / speeds.median()).to_numpy()
+    summary = with_01(summary.reindex(columns=KEYS + ["runs", "spread"] + FIRSTS + MEDIANS), summary)
     summary["speedup"] = summary["samples_per_s"] / summary.pop("x01")
     summary["ideal_speedup"] = list(map(ideal_speedup, summary["n"], shares_cores(summary)))
     summary["efficiency"] = summary["speedup"] / summary["ideal_speedup"]

@@ -30,7 +30,10 @@ from bench.family import MODES  # noqa: E402
 RESULTS = os.path.join(REPO, "results")  # each machine's sweeps: results/<label>, then <label>-2, -3...
 
 # On the CPU 3 short epochs of 19,200 images: every mode passes 98% on real MNIST by the 2nd or 3rd.
-DEFAULTS = dict(gpu=dict(epochs=3, epoch_images=0), cpu=dict(epochs=3, epoch_images=19200, processes=CPU_PROCESSES))
+# On GPUs a run's steady window can be under a second, and one try of 01's step moved 29% from the next: each
+# row is the median of 3 runs there, with their spread beside it.
+DEFAULTS = dict(gpu=dict(epochs=3, epoch_images=0, repeats=3),
+                cpu=dict(epochs=3, epoch_images=19200, processes=CPU_PROCESSES, repeats=1))
 
 
 def parser():
@@ -47,7 +50,9 @@ def parser():
     p.add_argument("--test-batch-size", type=in_range(1), default=1000)
     p.add_argument("--seed", type=in_range(0, 2**32 - 1000), default=1,  # the scripts take seeds below 2**32
                    help="seed of repeat 1; repeat k uses seed + k - 1")
-    p.add_argument("--repeats", type=in_range(1), default=1, metavar="K", help="runs per row; tables show medians")
+    p.add_argument("--repeats", type=in_range(1), metavar="K",
+                   help=f"runs per row; tables show medians and spreads (default {gpu['repeats']} on GPUs, "
+                   f"{cpu['repeats']} on the CPU)")
     p.add_argument("--modes", type=mode_list, default=list(MODES), help=f"from {', '.join(MODES)}, or numbers (01,03)")
     p.add_argument("--synthetic", action="store_true", help="random MNIST-shaped data: throughput only, no download")
     p.add_argument("--data-dir", default="data", help="torchvision's MNIST folder (default ./data)")
@@ -150,7 +155,8 @@ def main(argv=None):
             epoch_images=defaults["epoch_images"] if args.epoch_images is None else args.epoch_images, seed=args.seed,
             test_batch_size=args.test_batch_size, synthetic=args.synthetic, data_dir=repo_relative(args.data_dir),
             target_acc=args.target_acc, timeout=args.timeout, cores=machine.cpu_cores())
-        runs, left_out = plan.plan(settings, args.modes, [("base", [])] + args.variants, args.repeats)
+        runs, left_out = plan.plan(settings, args.modes, [("base", [])] + args.variants,
+                                    args.repeats or defaults["repeats"])
         if not runs:
             raise BadArgument("nothing to run: " + "; ".join(left_out))
         out_dir = os.path.abspath(args.out or default_out(machine.machine_tag([n for _, n in gpus]), args.resume))

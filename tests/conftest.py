@@ -9,12 +9,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from helpers import ...` in both tiers' files
-from helpers import NVIDIA_SMI, QUICK_TEST_IMAGES, TRAIN_IMAGES, fake_command, write_fake_mnist  # noqa: E402
+from helpers import HOOKS, NVIDIA_SMI, QUICK_TEST_IMAGES, TRAIN_IMAGES, fake_command, write_fake_mnist  # noqa: E402
 
 
 # Every Python the tests start takes tests/fast_start's sitecustomize: the garbage collector skips torch's own
 # objects, so each process starts and ends sooner. Last on PYTHONPATH: the other hooks there run it first.
-FAST_START = str(Path(__file__).resolve().parent / "fast_start")
+FAST_START = str(HOOKS["fast_start"])
 if FAST_START not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), FAST_START]))
 

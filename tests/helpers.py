@@ -35,7 +35,21 @@ QUICK_TEST_IMAGES = 1000  # the tests' test split: 10,000 would make evaluation 
 FSDP_TEST_BATCH = 111
 # Environment for runs that must not reach the network: any download attempt fails at once.
 NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
-STAND_IN = Path(__file__).resolve().parent / "stand_in_accelerator"
+# Every start-up hook the tests put on PYTHONPATH: a folder whose sitecustomize.py first runs the next one on it
+# (tools/startup_hook.py), so that they stack. tests/README.md says what each does.
+HOOKS = {name: ROOT / "tests" / path for name, path in [
+    ("as_on_cuda", "as_on_cuda"), ("fast_start", "fast_start"), ("no_linux_only", "no_linux_only"),
+    ("stand_in_accelerator", "stand_in_accelerator"), ("torch_2_15_spawn", "torch_2_15_spawn"),
+    ("rank_weights", "integration/rank_weights"), ("loaded_state", "integration/loaded_state")]}
+
+
+def on_pythonpath(*hooks):
+    """PYTHONPATH with these hooks (names of HOOKS, or folders) first, then this process's own."""
+    folders = [str(HOOKS.get(hook, hook)) for hook in hooks]
+    return os.pathsep.join(filter(None, [*folders, os.environ.get("PYTHONPATH")]))
+
+
+STAND_IN = HOOKS["stand_in_accelerator"]
 _hook = importlib.util.spec_from_file_location("stand_in_accelerator", STAND_IN / "sitecustomize.py")
 stand_in_accelerator = importlib.util.module_from_spec(_hook)
 _hook.loader.exec_module(stand_in_accelerator)  # its play(): the in-process stand-ins of tests/test_platforms.py
@@ -46,11 +60,7 @@ def with_stand_in_accelerator(tmp_path, kind, count=1):
     device call fails (the hook in tests/stand_in_accelerator), and the file to which each process of the run
     writes its pid and what it runs, and each device call it made."""
     log = Path(tmp_path) / f"stand-in-{kind}.txt"
-    path = os.pathsep.join(filter(None, [str(STAND_IN), os.environ.get("PYTHONPATH")]))
-    return dict(PYTHONPATH=path, STAND_IN_ACCELERATOR=kind, STAND_IN_COUNT=str(count), STAND_IN_LOG=str(log)), log
-
-
-AS_ON_CUDA = Path(__file__).resolve().parent / "as_on_cuda"
+    return dict(PYTHONPATH=on_pythonpath("stand_in_accelerator"), STAND_IN_ACCELERATOR=kind, STAND_IN_COUNT=str(count), STAND_IN_LOG=str(log)), log
 
 
 def as_on_cuda(tmp_path, *more_hooks):
@@ -58,8 +68,7 @@ def as_on_cuda(tmp_path, *more_hooks):
     optimizers' foreach path, cuDNN's rounding, host reads and copies counted), more_hooks' folders after it on
     PYTHONPATH, and the file to which each process writes what the hook saw, one JSON line each."""
     log = Path(tmp_path) / "as-on-cuda.jsonl"
-    path = os.pathsep.join(filter(None, [str(AS_ON_CUDA), *map(str, more_hooks), os.environ.get("PYTHONPATH")]))
-    return dict(PYTHONPATH=path, AS_ON_CUDA_LOG=str(log)), log
+    return dict(PYTHONPATH=on_pythonpath("as_on_cuda", *more_hooks), AS_ON_CUDA_LOG=str(log)), log
 
 
 def trained_as_on_cuda(log, world_size):
@@ -192,9 +201,8 @@ NVIDIA_SMI = {
 def without_linux_only(tmp_path, root=ROOT):
     """The environment of a run in which the code under root cannot use what only Linux has (the hook in
     tests/no_linux_only), and the file to which each process of the run writes its pid and what it runs."""
-    hook, log = Path(__file__).resolve().parent / "no_linux_only", Path(tmp_path) / "hooked.txt"
-    path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
-    return dict(PYTHONPATH=path, HIDDEN_FROM=str(root), HIDDEN_LOG=str(log)), log
+    log = Path(tmp_path) / "hooked.txt"
+    return dict(PYTHONPATH=on_pythonpath("no_linux_only"), HIDDEN_FROM=str(root), HIDDEN_LOG=str(log)), log
 
 
 # PyTorch's own abort at a worker's exit, after it finished (bench.checks.EXIT_ABORT). Seen twice on CI (09), and

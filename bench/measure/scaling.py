@@ -18,8 +18,11 @@ For mode m at n ranks, a step takes compute + communication + idle:
 - communication = what a rank's collectives take: the bytes the anatomy saw, over the link, through a ring, whose
   time grows as (n - 1) / n. A CPU has no spare core, so it all counts. A GPU hides what overlapped at the
   sweep's n, and what the anatomy saw exposed stays exposed.
-- idle: waiting on other ranks, as at the sweep's n; for 10, the bubble. On other devices: 0, unmeasured, so
-  the prediction there is an upper bound: stragglers and launch jitter only lower it.
+- idle: waiting on other ranks, as at the sweep's n. On other devices: 0, unmeasured, so the prediction there is
+  an upper bound: stragglers and launch jitter only lower it.
+- 10 instead: its two stages do unequal work, and each microbatch passes both. So its step is the busiest
+  stage's compute, (m + p - 1) / m times over: the GPipe bubble of p stages and m microbatches. Its sends
+  overlap the other stage's work: they count only at --busbw.
 
 E(n) = X(n) / (ideal x X(01)), as the harness reports it: ideal is n on n devices, 1 where ranks share cores.
 """
@@ -29,7 +32,7 @@ import json
 import os
 import sys
 
-from bench.family import MODES, REPO
+from bench.family import MODES, REPO, load_script
 from bench.machine import environment
 from bench.outputs import write_json
 
@@ -63,6 +66,11 @@ def read_sweep(folder):
             mean = {k: sum(s[k] for s in steps) / len(steps)
                     for k in ("step_ms", "compute_ms", "overlapped_comm_ms", "exposed_comm_ms", "idle_ms")}
             mean["bytes"] = sum(c["in_bytes"] for s in steps for c in s["collectives"].values()) / len(steps)
+            # A pipeline goes at its slowest stage: the busiest rank's compute, not the mean of the ranks'.
+            mean["busiest_ms"] = max(sum(s["compute_ms"] for s in r["steps"]) / len(r["steps"])
+                                     for r in result["per_rank"])
+            if mode.name == "pipeline_parallel":  # its --microbatches, as the anatomy ran it
+                mean["microbatches"] = load_script(mode.script).parse_args(result["script_flags"]).microbatches
             anatomy[mode.name] = dict(mean, n=result["ranks"])
     allreduce = None
     if os.path.exists(os.path.join(folder, "allreduce-n2.json")):
@@ -100,6 +108,9 @@ def predict(sweep, name, n, cores=None, step_ms=None, busbw=None):
         comm *= h  # gloo reduces on the same cores
     idle = 0.0 if device else a["idle_ms"]
     step = t1 * r * work_share(name, n, n0) * h + comm + idle
+    if name == "pipeline_parallel":  # the slowest stage, once per microbatch, and the bubble: (p - 1) of them more
+        m = a["microbatches"]
+        step = t1 * r * a["busiest_ms"] / a["compute_ms"] * h * (m + n - 1) / m + (comm if busbw else 0.0)
     global_batch = mode.batch.global_batch(sweep["batch"], n)
     ideal = n if device or cores is None or n <= 1 else 1
     return dict(step_ms=step, e_n=global_batch / step / (ideal * sweep["batch"] / t1))

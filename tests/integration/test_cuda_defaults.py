@@ -6,7 +6,6 @@ passed. Here 09 and 03 run as a user starts them, with the hook in tests/as_on_c
 CUDA's paths, in every process of the run. Every mode's run takes them in the fast tier: its foreach update and
 a step that never waits (tests/unit/test_each_mode_runs.py)."""
 import json
-from pathlib import Path
 
 import torch
 
@@ -14,7 +13,6 @@ from helpers import MODES, QUICK_TEST_IMAGES, as_on_cuda, run, script_command, t
 
 STEPS = 8  # one epoch of 8 steps
 PROCESSES = 2
-RANK_WEIGHTS = Path(__file__).resolve().parent / "rank_weights"  # each rank's tensors, saved as it exits
 
 
 def trained(name, data_dir, tmp_path, hooks=(), env=None):
@@ -36,7 +34,7 @@ def test_cudnn_rounding_does_not_part_the_ranks_copies_of_09s_convolutions(quick
     convolution gradient unless the flag is set (it does in the DDP scripts, whose all-reduce keeps copies equal)."""
     ranks_dir = tmp_path / "ranks"
     ranks_dir.mkdir()
-    _, processes = trained("tensor_parallel", quick_mnist_dir, tmp_path, hooks=[RANK_WEIGHTS],
+    _, processes = trained("tensor_parallel", quick_mnist_dir, tmp_path, hooks=["rank_weights"],
                            env={"RANK_WEIGHTS_DIR": str(ranks_dir)})
     ranks = [torch.load(ranks_dir / f"rank{rank}.pt") for rank in range(PROCESSES)]
     for name in ["conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias"]:

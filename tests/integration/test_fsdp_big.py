@@ -10,9 +10,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from helpers import ROOT, error_lines, run, script_command
+from helpers import ROOT, error_lines, on_pythonpath, run, script_command
 from test_reliability import RESTARTED, Job, children
-from test_tensor_parallel import HOOK
 
 SCRIPT = "12_fsdp_big.py"
 # 20 steps an epoch at a global batch of 64: snapshots at steps 8 and 16 and at each epoch's end.
@@ -84,7 +83,7 @@ def test_a_snapshot_resumes_on_another_number_of_ranks_at_the_same_global_batch(
     first = run(command(out, quick_mnist_dir, before, "--no-dropout", "--epochs", 1))
     assert first.returncode == 0
     dcp_to_torch_save(out / "s.pt.epoch2-step0", tmp_path / "saved.pt")  # every rank's shards, whole
-    hook = dict(PYTHONPATH=os.pathsep.join([str(HOOK), os.environ["PYTHONPATH"]]), LOADED_STATE_DIR=str(tmp_path))
+    hook = dict(PYTHONPATH=on_pythonpath("loaded_state"), LOADED_STATE_DIR=str(tmp_path))
     resumed = run(command(out, quick_mnist_dir, after, "--no-dropout"), env=hook)
     assert "resuming from" in resumed.stdout and "epoch 2, step 0" in resumed.stdout, resumed.stdout
     saved, loaded = (torch.load(tmp_path / name) for name in ("saved.pt", "loaded.pt"))

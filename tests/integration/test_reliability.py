@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from helpers import (AGAIN, EXIT_ABORT, MODES, ROOT, TORCHRUN, busy_note, error_lines, free_port, launcher_env,
-                     load_script, processes_for, run, run_two_nodes, script_command, slack, start, stop)
+                     load_script, on_pythonpath, processes_for, run, run_two_nodes, script_command, slack,
+                     start, stop)
 
 # One thread per process everywhere: two "nodes" on one host would otherwise take two each, and a different
 # number of threads sums in a different order (equal weights, not bitwise equal). 20 steps an epoch: snapshots
@@ -380,7 +381,6 @@ def test_a_torchrun_restart_of_any_script_trains_to_the_end(mode, quick_mnist_di
     assert (out / "model.pt").exists(), "the restarted attempt did not save its model"
 
 
-SPAWN_2_15 = ROOT / "tests" / "torch_2_15_spawn"  # torch 2.15's mp.spawn on the torch installed here
 # How mp.spawn ends a worker interrupted while its parent lives: (processes, the hook's TORCH_2_15_SPAWN, what the
 # one line says). As installed, torch 2.14 exits 0 as if the worker had finished, and the other worker fails on its
 # lost peer; one process alone would then exit 0. The hook's cases run one process: no peer fails first.
@@ -399,7 +399,7 @@ def test_an_interrupted_worker_ends_the_job_in_one_line(script, spawn, quick_mni
     and no traceback, whichever way mp.spawn ends that worker (torch 2.14's, or 2.15's by the hook)."""
     nprocs, behaviour, says = INTERRUPTS[spawn]
     log = tmp_path / "wrappers.log"
-    path = os.pathsep.join(filter(None, [str(SPAWN_2_15), os.environ.get("PYTHONPATH")]))
+    path = on_pythonpath("torch_2_15_spawn")  # torch 2.15's mp.spawn on the torch installed here
     env = dict(PYTHONPATH=path, TORCH_2_15_SPAWN=behaviour, TORCH_2_15_LOG=str(log)) if behaviour else None
     count = "--nprocs" if script == "04_ddp_spawn.py" else "-g"  # 05 as one node
     job = Job(script_command(script, count, nprocs, "--master-port", free_port(), "--data-dir", quick_mnist_dir,

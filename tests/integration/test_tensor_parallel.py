@@ -1,21 +1,19 @@
 """09_tensor_parallel.py, run as a user runs it: every rank trains on the same batch, so that n ranks take 01's update
 at 01's batch; the ranks keep identical copies of what is replicated (the convolutions, fc2's bias) with dropout on;
 each rank holds 1/n of fc1 and fc2; evaluation counts every test image once; the saved model is one plain state
-dict 01 loads. Each rank's own tensors are read by a hook on PYTHONPATH (tests/rank_weights), which the script
+dict 01 loads. Each rank's own tensors are read by a hook on PYTHONPATH (tests/integration/rank_weights), which the script
 does not know of."""
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import QUICK_TEST_IMAGES, error_lines, evaluate_on_one_process, load_script, run, script_command
+from helpers import (QUICK_TEST_IMAGES, error_lines, evaluate_on_one_process, load_script, on_pythonpath, run,
+                     script_command)
 
 SCRIPT = "09_tensor_parallel.py"
 BATCH = 64  # every rank's batch, and so the global one: 01 trains with the same
 TEST_BATCH = 300  # 1,000 test images: batches of 300, 300, 300 and 100, the same on every rank
-HOOK = Path(__file__).resolve().parent / "rank_weights"
 SLICED = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1}  # the dimension each is split along; the rest whole
 
 
@@ -36,7 +34,7 @@ class Runs(dict):
         if number == "01":
             run(script_command("01_single_gpu.py", *args), timeout=120)
         else:
-            env = dict(PYTHONPATH=os.pathsep.join([str(HOOK), os.environ["PYTHONPATH"]]), RANK_WEIGHTS_DIR=str(out))
+            env = dict(PYTHONPATH=on_pythonpath("rank_weights"), RANK_WEIGHTS_DIR=str(out))
             run(script_command(SCRIPT, *args, nprocs=n), timeout=240, env=env)
         ranks = [torch.load(out / f"rank{rank}.pt") for rank in range(n)] if number == "09" else None
         self[key] = json.loads((out / "metrics.json").read_text()), torch.load(out / "model.pt"), ranks

@@ -5,16 +5,12 @@ a test knows the hook ran in every process."""
 import builtins
 import importlib.abc
 import os
+import pathlib
 import runpy
 import sys
 
-# A later sitecustomize on PYTHONPATH runs first (the tests' tests/fast_start): Python itself imports only the first.
-_path = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-_here = os.path.dirname(os.path.abspath(__file__))
-_later = [p for p in _path[_path.index(_here) + 1 if _here in _path else len(_path):]
-          if os.path.isfile(os.path.join(p, "sitecustomize.py"))]
-if _later:
-    runpy.run_path(os.path.join(_later[0], "sitecustomize.py"), run_name="later_sitecustomize")
+# tools/startup_hook.py runs the next sitecustomize.py on PYTHONPATH first: Python imports only the first.
+runpy.run_path(str(pathlib.Path(__file__).resolve().parents[2] / "tools" / "startup_hook.py"))["chain"](__file__)
 
 ROOT = os.path.abspath(os.environ["HIDDEN_FROM"])
 with open(os.environ["HIDDEN_LOG"], "a") as log:

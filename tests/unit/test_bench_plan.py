@@ -501,3 +501,17 @@ def test_the_summary_shows_the_peak_and_the_peak_less_the_mnist_each_process_kee
     assert report.MNIST_BYTES == 220_080_000
     assert summary.loc[0, "training_bytes"] == 332 * 2**20 - report.MNIST_BYTES
     assert "| 332 MiB | 122 MiB |" in report.markdown(summary, report.SUMMARY_VIEW)
+
+
+def test_a_gpu_sweep_repeats_each_run_three_times_and_the_summary_gives_the_median_and_spread(monkeypatch):
+    """A GPU run's steady window can be under a second: one try is not a figure. The CPU default stays one."""
+    monkeypatch.setattr(run_all, "chosen_gpus", lambda args: [(0, "H200"), (1, "H200")])
+    planned = {}
+    monkeypatch.setattr(plan, "plan", lambda settings, modes, variants, repeats: planned.setdefault("k", repeats)
+                        and ([], ["stop here"]))
+    assert run_all.main(["--modes", "single", "--dry-run"]) == 2 and planned["k"] == 3
+    rows = [dict(variant="base", per_device_batch=64, mode="single", n=1, samples_per_s=x, status="ok",
+                 device_type="cuda") for x in (900.0, 1000.0, 1200.0)]
+    (summary,) = [report.summarize(pd.DataFrame(rows).reindex(columns=outputs.COLUMNS)).iloc[0]]
+    assert (summary["runs"], summary["samples_per_s"], summary["spread"]) == (3, 1000.0, pytest.approx(0.3))
+    assert run_all.DEFAULTS["cpu"]["repeats"] == 1

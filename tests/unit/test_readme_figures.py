@@ -3,13 +3,14 @@ results/ that holds it and must appear in the README as written, so a new result
 and every figure the README gives (samples/s, x, %, MB, ms, s, min) lies in one of those sentences or in one
 whose source is named (a paper, PyTorch's defaults, arithmetic), so a figure cannot enter unaccounted for."""
 import csv
+import inspect
 import json
 import re
 from statistics import mean
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, SCRIPTS, load_script
 
 RESULTS = ROOT / "results"
 CPU, H200, PIPELINE = RESULTS / "cpu-2core-amd-epyc", RESULTS / "1x-nvidia-h200-gpu-check", RESULTS / "cpu-pipeline"
@@ -178,3 +179,12 @@ def test_12_on_real_mnist_keeps_08s_accuracy_and_bf16_within_half_a_point():
         FSDP_BIG / "metrics" / "fsdp-n2-b64-r1.json")["train_samples"], "not the sweep's epoch"
     assert abs(accuracy["fsdp_big"] - accuracy["fsdp"]) <= 0.003, accuracy
     assert abs(bf16["test_accuracy"] - accuracy["fsdp"]) <= 0.005, (bf16["test_accuracy"], accuracy)
+
+
+def test_results_readme_describes_the_data_path_the_scripts_have():
+    """results/README.md says how a batch reaches the GPU; each script's MNIST.__getitems__ is what it says."""
+    said = (ROOT / "results" / "README.md").read_text()
+    assert "each\nbatch's row numbers copied there as one small index tensor, without waiting" in said
+    for script in SCRIPTS:
+        getitems = inspect.getsource(load_script(script).MNIST.__getitems__)
+        assert "torch.tensor(rows).to(self.labels.device, non_blocking=True)" in getitems, script

@@ -15,7 +15,7 @@ exits (DataLoader workers, forks of it, write nothing):
   if it has written CHECK_COPY_SNAPSHOT by then; first it writes killed-PID.json. Forward passes in DataLoader
   workers (a transform that is an nn.Module) are not training steps: only the process itself counts.
 
-With ANATOMY_OUT set instead, it runs bench/anatomy_hook.py, the profiler of bench/anatomy.py: one start-up
+With ANATOMY_OUT set instead, it runs bench/measure/anatomy_hook.py, the profiler of bench/anatomy.py: one start-up
 hook for both tools.
 """
 import atexit
@@ -23,17 +23,13 @@ import builtins
 import io
 import json
 import os
+import pathlib
 import runpy
 import signal
 
-# A later sitecustomize on PYTHONPATH runs first: the copy's environment may have its own, and the tests have one.
-# Python itself imports only the first.
-_path = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-_here = os.path.dirname(os.path.abspath(__file__))
-_later = [p for p in _path[_path.index(_here) + 1 if _here in _path else len(_path):]
-          if os.path.isfile(os.path.join(p, "sitecustomize.py"))]
-if _later:
-    runpy.run_path(os.path.join(_later[0], "sitecustomize.py"), run_name="later_sitecustomize")
+# tools/startup_hook.py runs the next sitecustomize.py on PYTHONPATH first: Python imports only the first.
+_repo = pathlib.Path(__file__).resolve().parents[2]
+runpy.run_path(str(_repo / "tools" / "startup_hook.py"))["chain"](__file__)
 
 OUT = os.environ.get("CHECK_COPY_OUT")
 
@@ -134,4 +130,4 @@ if OUT:
 
 # bench/anatomy.py measures a script's steps through this same hook.
 if os.environ.get("ANATOMY_OUT"):
-    runpy.run_path(os.path.join(_here, os.pardir, os.pardir, "bench", "anatomy_hook.py"), run_name="anatomy_hook")
+    runpy.run_path(str(_repo / "bench" / "measure" / "anatomy_hook.py"), run_name="anatomy_hook")

@@ -1,21 +1,14 @@
 """On PYTHONPATH (test_tensor_parallel.py): each process that calls parallelize_module writes, as it exits, what
 its module holds to $RANK_WEIGHTS_DIR/rank<RANK>.pt: {name: (this rank's tensor, its placements)}, a DTensor's
 local slice with its placements, a plain tensor with None. A test compares the ranks' copies of what is meant to
-be replicated this way, with no line of the script changed and the script started as a user starts it.
-
-With $LOADED_STATE_DIR set (test_fsdp_big.py), 12's resume is read too: right after set_state_dict loads a snapshot,
-the whole model and optimizer state, gathered from every rank's shards, goes to $LOADED_STATE_DIR/loaded.pt."""
+be replicated this way, with no line of the script changed and the script started as a user starts it."""
 import atexit
 import os
+import pathlib
 import runpy
 
-# A later sitecustomize on PYTHONPATH runs first (the tests' tests/fast_start): Python itself imports only the first.
-_path = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-_here = os.path.dirname(os.path.abspath(__file__))
-_later = [p for p in _path[_path.index(_here) + 1 if _here in _path else len(_path):]
-          if os.path.isfile(os.path.join(p, "sitecustomize.py"))]
-if _later:
-    runpy.run_path(os.path.join(_later[0], "sitecustomize.py"), run_name="later_sitecustomize")
+# tools/startup_hook.py runs the next sitecustomize.py on PYTHONPATH first: Python imports only the first.
+runpy.run_path(str(pathlib.Path(__file__).resolve().parents[3] / "tools" / "startup_hook.py"))["chain"](__file__)
 
 import torch  # noqa: E402
 import torch.distributed.tensor.parallel as tensor_parallel  # noqa: E402
@@ -38,19 +31,3 @@ def parallelize_module(module, *args, **kwargs):
 
 
 tensor_parallel.parallelize_module = parallelize_module  # before the script's `from ... import` reads it
-
-
-if os.environ.get("LOADED_STATE_DIR"):
-    import torch.distributed.checkpoint.state_dict as state_dicts
-
-    real_set_state_dict = state_dicts.set_state_dict
-
-    def set_state_dict(model, optimizers, **kwargs):
-        loaded = real_set_state_dict(model, optimizers, **kwargs)
-        whole = state_dicts.StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights, moments = state_dicts.get_state_dict(model, optimizers, options=whole)
-        if os.environ["RANK"] == "0":
-            torch.save(dict(model=weights, optimizer=moments), os.path.join(os.environ["LOADED_STATE_DIR"], "loaded.pt"))
-        return loaded
-
-    state_dicts.set_state_dict = set_state_dict
