@@ -38,7 +38,7 @@ def runs(quick_mnist_dir, tmp_path_factory):
     return Runs(quick_mnist_dir, tmp_path_factory)
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [3])  # at 2 ranks: the guarantee table's (tests/guarantees.py)
 def test_fsdp_takes_the_update_of_03_and_01(n, runs):
     """03 (two processes) and 01 at the same global batch. The guard against gradients summed instead of
     averaged (gloo's reduce-scatter once summed them: pytorch issue 162338)."""
@@ -68,17 +68,7 @@ def test_each_rank_holds_one_nth_of_the_weights_gradients_and_optimizer_state(ru
         assert max(held) <= 1.02 * full / n, held  # rows split unevenly: at n = 3 rank 0 has 43 of fc1's 128
 
 
-def test_the_saved_model_is_one_plain_state_dict_that_01_loads(runs, quick_mnist_dir):
-    for n in [2, 3]:
-        weights = runs["08", n][1]
-        net = load_script("01_single_gpu.py").Net()
-        assert weights.keys() == net.state_dict().keys()
-        assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in weights.values())  # no DTensor
-        net.load_state_dict(weights)  # the whole model: every shape as 01's
-        assert evaluate_on_one_process(quick_mnist_dir, weights)["test_accuracy"] > 0.5  # chance is 0.1
-
-
-@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("n", [1, 3])  # 1,000 rows over 3 ranks: 334, 333, 333; at 2 ranks: the table's
 def test_sharded_evaluation_counts_every_test_image_once(n, runs, quick_mnist_dir):
     record, weights = runs["08", n]
     reference = evaluate_on_one_process(quick_mnist_dir, weights)

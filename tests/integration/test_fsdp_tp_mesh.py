@@ -1,19 +1,16 @@
-"""11_fsdp_tp_mesh.py, run as a user runs it on a 2 x 2 mesh (4 processes): two dp groups of two tensor-parallel
-ranks take 01's update at the global batch 2 x B, evaluation counts every test image once (summed over the dp
-groups, not again over their TP ranks), each rank holds a quarter of fc1 and fc2 and half of the convolutions, the
-saved model is one plain state dict 01 loads, and a world size the mesh cannot take is refused in one line.
-Four processes on a small CPU are slow: one run of 11 serves every test here. It runs with --cpu beside a stand-in
-CUDA GPU (tests/stand_in_accelerator), as test_cpu_means_the_cpu.py runs 01-09, and it is left out of
-test_trainers.py's same-batch runs, whose checks of the record and of rank 0's lines are made here."""
+"""11_fsdp_tp_mesh.py, run as a user runs it on a 2 x 2 mesh (4 processes): what is 11's alone. Each rank holds a
+quarter of fc1 and fc2 and half of the convolutions, --cpu beside a stand-in CUDA GPU trains on the CPU, and a
+world size the mesh cannot take is refused in one line. Its update at the global batch, its evaluation (summed
+over the dp groups, not again over their TP ranks) and its saved model are the guarantee table's, as every
+mode's: tests/guarantees.py, run by test_trainers.py."""
 import json
 import re
 
 import pytest
 import torch
 
-from helpers import (FSDP_TEST_BATCH as TEST_BATCH, QUICK_TEST_IMAGES, RECORD_KEYS, assert_same_update,
-                     evaluate_on_one_process, load_script, other_kernels, rounding_spread, run, script_command,
-                     train_args, with_stand_in_accelerator)
+from helpers import (FSDP_TEST_BATCH as TEST_BATCH, RECORD_KEYS, load_script, run, script_command, train_args,
+                     with_stand_in_accelerator)
 
 SCRIPT = "11_fsdp_tp_mesh.py"
 TP, DP = 2, 2  # the script's TP, and the dp groups of 4 processes
@@ -24,13 +21,11 @@ SLICED = {"fc1.weight", "fc1.bias", "fc2.weight"}  # split by the TP ranks (fc2'
 @pytest.fixture(scope="module")
 def runs(quick_mnist_dir, tmp_path_factory):
     """{name: (record, saved weights, stdout)}: 11 on 4 processes with --cpu beside a stand-in CUDA GPU (and the
-    stand-in's log); 01 at DP x B, and again on other CPU kernels (the spread of rounding). Two short epochs, dropout
-    off so that the updates compare, a line per step."""
+    stand-in's log). Two short epochs, dropout off, a line per step. Its update and its evaluation are the guarantee
+    table's (tests/guarantees.py), as every mode's."""
     found = {}
     stand_in, log = with_stand_in_accelerator(tmp_path_factory.mktemp("stand-in"), "cuda")
-    for name, script, nprocs, batch, env in [("11", SCRIPT, 4, B, stand_in),
-                                             ("01", "01_single_gpu.py", None, DP * B, None),
-                                             ("01 other", "01_single_gpu.py", None, DP * B, other_kernels())]:
+    for name, script, nprocs, batch, env in [("11", SCRIPT, 4, B, stand_in)]:
         out = tmp_path_factory.mktemp(name.replace(" ", "-"))
         args = train_args(quick_mnist_dir, out, "--epochs", 2, "--max-steps", 3, "--no-dropout", "--batch-size",
                           batch, "--test-batch-size", TEST_BATCH, *(["--cpu"] if name == "11" else []))
@@ -38,31 +33,6 @@ def runs(quick_mnist_dir, tmp_path_factory):
         found[name] = json.loads((out / "metrics.json").read_text()), torch.load(out / "model.pt"), result.stdout
     found["stand-in log"] = log.read_text().splitlines()
     return found
-
-
-def test_the_2d_mesh_takes_the_update_of_01_at_the_global_batch(runs):
-    """The dp groups' gradients averaged by FSDP, the TP ranks' slices put together: 01's update at DP x B."""
-    record, weights, _ = runs["11"]
-    assert (record["world_size"], record["backend"]) == (DP * TP, "gloo")
-    assert (record["global_batch"], record["steps"], record["train_samples"]) == (DP * B, 6, 6 * DP * B)
-    reference_record, reference, _ = runs["01"]
-    for mine, theirs in zip(record["epochs_detail"], reference_record["epochs_detail"], strict=True):
-        assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-4)
-    net = load_script("01_single_gpu.py").Net()
-    assert weights.keys() == net.state_dict().keys()
-    assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in weights.values())  # no DTensor
-    net.load_state_dict(weights)  # one plain state dict: every shape is 01's
-    assert_same_update(weights, reference, rounding_spread(reference, runs["01 other"][1]), msg=SCRIPT)
-    assert record["epochs_detail"][1]["train_loss"] < record["epochs_detail"][0]["train_loss"]  # it learns
-
-
-def test_evaluation_counts_every_test_image_once(runs, quick_mnist_dir):
-    """Each dp group scores half of the rows; summed over the TP ranks too, each would count twice."""
-    record, weights, _ = runs["11"]
-    assert [e["test_samples"] for e in record["epochs_detail"]] == [QUICK_TEST_IMAGES] * 2
-    reference = evaluate_on_one_process(quick_mnist_dir, weights)
-    assert record["test_accuracy"] == reference["test_accuracy"]
-    assert record["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-6)
 
 
 def test_each_rank_holds_a_quarter_of_fc1_and_fc2_and_half_of_the_convolutions(runs):

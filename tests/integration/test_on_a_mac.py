@@ -16,7 +16,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from helpers import run, script_command, stand_in_accelerator, with_stand_in_accelerator
 
-lightning = pytest.importorskip("lightning", reason="07_lightning.py needs lightning (requirements.txt)")
+lightning = pytest.importorskip("lightning", reason="07_lightning.py needs lightning (requirements.txt)",
+                                exc_type=ImportError)  # installed but broken: a skip too (pytest 9.1)
 from lightning.fabric.accelerators.mps import MPSAccelerator  # noqa: E402
 from helpers import load_script  # noqa: E402
 

@@ -44,7 +44,7 @@ def runs(quick_mnist_dir, tmp_path_factory):
     return Runs(quick_mnist_dir, tmp_path_factory)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b"])  # GPipe, the default: the guarantee table's (tests/guarantees.py)
 def test_both_schedules_take_the_update_of_01_at_the_same_batch(schedule, runs):
     """Dropout off: each microbatch's mean loss, the gradients summed over the 4 microbatches and divided by 4, is
     01's batch mean; what is left is the order of the sums."""
@@ -80,16 +80,6 @@ def test_evaluation_sends_every_test_image_through_both_stages_once(schedule, dr
     reference = evaluate_on_one_process(quick_mnist_dir, weights)
     assert record["test_accuracy"] == reference["test_accuracy"]
     assert record["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-5)
-
-
-def test_the_saved_model_is_one_plain_state_dict_that_01_loads(runs, quick_mnist_dir):
-    """Rank 0 gathers stage 1's tensors and saves them with its own under Net's names."""
-    weights = runs["10", "gpipe", True][1]
-    net = load_script("01_single_gpu.py").Net()
-    assert list(weights) == list(net.state_dict())
-    assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in weights.values())
-    net.load_state_dict(weights)  # every shape is 01's
-    assert evaluate_on_one_process(quick_mnist_dir, weights)["test_accuracy"] > 0.3  # chance is 0.1; 3 steps
 
 
 def test_a_world_of_other_than_two_processes_is_refused_in_one_line():

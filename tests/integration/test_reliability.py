@@ -21,9 +21,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import (AGAIN, EXIT_ABORT, MODES, ROOT, TORCHRUN, busy_note, error_lines, free_port, launcher_env,
-                     load_script, on_pythonpath, processes_for, run, run_two_nodes, script_command, slack,
-                     start, stop)
+from helpers import (AGAIN, EXIT_ABORT, MODES, ROOT, TORCHRUN, busy_note, by_script, error_lines, free_port,
+                     launcher_env, load_script, on_pythonpath, processes_for, run, run_two_nodes, script_command,
+                     slack, start, stop)
 
 # One thread per process everywhere: two "nodes" on one host would otherwise take two each, and a different
 # number of threads sums in a different order (equal weights, not bitwise equal). 20 steps an epoch: snapshots
@@ -525,7 +525,8 @@ def test_the_record_takes_the_time_of_the_slowest_rank(script, tmp_path, monkeyp
     monkeypatch.setattr(module.dist, "get_backend", lambda: "gloo")  # what the record asks of the group
     monkeypatch.setattr(module.dist, "is_initialized", lambda: True)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # one node of two processes, as torchrun would say
-    world = SimpleNamespace(rank=0, world_size=2, device=torch.device("cpu"), is_main=True, local_rank=0)
+    world = SimpleNamespace(rank=0, world_size=2, device=torch.device("cpu"), is_main=True, local_rank=0,
+                            mode=by_script(script).name)
     steps, batch = module.WARMUP_STEPS + 3, 4
     epochs = []
     for _ in module.timed([(torch.zeros(batch, 1), torch.zeros(batch))] * steps, world, epochs):

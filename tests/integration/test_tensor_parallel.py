@@ -1,8 +1,8 @@
-"""09_tensor_parallel.py, run as a user runs it: every rank trains on the same batch, so that n ranks take 01's update
-at 01's batch; the ranks keep identical copies of what is replicated (the convolutions, fc2's bias) with dropout on;
-each rank holds 1/n of fc1 and fc2; evaluation counts every test image once; the saved model is one plain state
-dict 01 loads. Each rank's own tensors are read by a hook on PYTHONPATH (tests/integration/rank_weights), which the script
-does not know of."""
+"""09_tensor_parallel.py, run as a user runs it: what is 09's alone. Every rank trains on the same batch, so that n
+ranks take 01's update at 01's batch, here at 4 ranks (at 2: the guarantee table's, tests/guarantees.py). The ranks
+keep identical copies of what is replicated (the convolutions, fc2's bias) with dropout on; each rank holds 1/n of
+fc1 and fc2; evaluation with dropout counts every test image once. Each rank's own tensors are read by a hook on
+PYTHONPATH (tests/integration/rank_weights), which the script does not know of."""
 import json
 
 import pytest
@@ -46,7 +46,7 @@ def runs(quick_mnist_dir, tmp_path_factory):
     return Runs(quick_mnist_dir, tmp_path_factory)
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [4])  # at 2 ranks: the guarantee table's (tests/guarantees.py)
 def test_tensor_parallel_takes_the_update_of_01_at_the_same_batch(n, runs):
     """Dropout off: the only difference left is the order of the sums that the slices split."""
     record, weights, _ = runs["09", n, False]
@@ -97,7 +97,7 @@ def test_each_rank_holds_one_nth_of_fc1_and_fc2(n, runs):
             assert rank[name][0].numel() * n == whole[name], name
 
 
-@pytest.mark.parametrize("dropout", [False, True])
+@pytest.mark.parametrize("dropout", [True])  # without dropout at 2 ranks: the guarantee table's
 def test_evaluation_counts_every_test_image_once(dropout, runs, quick_mnist_dir):
     """All ranks score every image together (each computes its slice of each output); it is counted once."""
     for n in [2, 4]:
@@ -106,15 +106,6 @@ def test_evaluation_counts_every_test_image_once(dropout, runs, quick_mnist_dir)
         reference = evaluate_on_one_process(quick_mnist_dir, weights)
         assert record["test_accuracy"] == reference["test_accuracy"]
         assert record["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-5)
-
-
-def test_the_saved_model_is_one_plain_state_dict_that_01_loads(runs, quick_mnist_dir):
-    weights = runs["09", 2, True][1]
-    net = load_script("01_single_gpu.py").Net()
-    assert weights.keys() == net.state_dict().keys()
-    assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in weights.values())  # no DTensor
-    net.load_state_dict(weights)  # every shape is 01's
-    assert evaluate_on_one_process(quick_mnist_dir, weights)["test_accuracy"] > 0.5  # chance is 0.1
 
 
 def test_a_world_size_that_does_not_divide_fc1_is_refused_in_one_line():

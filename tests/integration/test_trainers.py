@@ -26,20 +26,28 @@ def run_mode(script, data_dir, out, *extra, timeout=180):
     elif not mode.collective or mode.batch.shared:  # one process, or ranks that share it: the whole global batch
         result = run(script_command(script, *args, "--batch-size", 2 * B, nprocs=2 if mode.collective else None),
                      timeout=timeout)
-    else:
-        result = run(script_command(script, *args, "--batch-size", B, nprocs=2), timeout=timeout)
+    else:  # data-parallel groups of B, 2 of them: 11's are pairs of tensor-parallel ranks, so 4 processes
+        result = run(script_command(script, *args, "--batch-size", B, nprocs=2 * mode.batch.shared_by),
+                     timeout=timeout)
     record = json.loads((out / "metrics.json").read_text())
     return result.stdout, record, torch.load(out / "model.pt")
 
 
 @pytest.fixture(scope="module")
 def same_batch_runs(quick_mnist_dir, tmp_path_factory):
-    """Every mode at global batch 2B for two short epochs, dropout off so that the updates can be compared."""
+    """Every mode at global batch 2B for two short epochs, dropout off so that the updates can be compared. Each is
+    run when a test first asks for it; the guarantee table (tests/guarantees.py) names the tests that use them."""
     tmp = tmp_path_factory.mktemp("same-batch")
     extra = ["--epochs", 2, "--max-steps", 3, "--no-dropout"]
-    return {script: run_mode(script, quick_mnist_dir, tmp / script, *extra) for script in SCRIPTS
-            if not by_script(script).needs  # 07's: tests/test_lightning.py
-            and by_script(script).batch.shared_by == 1}  # 11 needs 4 ranks: these checks of it in test_fsdp_tp_mesh.py
+
+    class Runs(dict):
+        def __missing__(self, script):
+            self[script] = run_mode(script, quick_mnist_dir, tmp / script, *extra)
+            return self[script]
+    return Runs()
+
+
+ALIKE = [script for script in SCRIPTS if not by_script(script).needs]  # 07's: tests/integration/test_lightning.py
 
 
 @pytest.fixture(scope="module")
@@ -53,23 +61,39 @@ def rounding(same_batch_runs, quick_mnist_dir, tmp_path_factory):
     return rounding_spread(same_batch_runs[SCRIPTS[0]][2], other[2])
 
 
-def test_same_global_batch_gives_the_same_update(same_batch_runs, rounding):
+@pytest.mark.parametrize("script", ALIKE)
+def test_same_global_batch_gives_the_same_update(script, same_batch_runs, rounding):
     reference_record, reference = same_batch_runs["01_single_gpu.py"][1:]
-    for script, (_, record, weights) in same_batch_runs.items():
-        assert record["global_batch"] == 2 * B and record["steps"] == 6
-        # The same mean loss per sample: a sum weighted by batch size, divided by all samples of all ranks.
-        for mine, reference_epoch in zip(record["epochs_detail"], reference_record["epochs_detail"]):
-            assert mine["train_loss"] == pytest.approx(reference_epoch["train_loss"], rel=1e-4), script
-        assert 1.0 < record["epochs_detail"][0]["train_loss"] < 3.0, "chance is ln 10 = 2.3"
-        assert_same_update(weights, reference, rounding, msg=script)
+    _, record, weights = same_batch_runs[script]
+    assert record["global_batch"] == 2 * B and record["steps"] == 6
+    # The same mean loss per sample: a sum weighted by batch size, divided by all samples of all ranks.
+    for mine, reference_epoch in zip(record["epochs_detail"], reference_record["epochs_detail"]):
+        assert mine["train_loss"] == pytest.approx(reference_epoch["train_loss"], rel=1e-4), script
+    assert 1.0 < record["epochs_detail"][0]["train_loss"] < 3.0, "chance is ln 10 = 2.3"
+    assert_same_update(weights, reference, rounding, msg=script)
+
+
+@pytest.mark.parametrize("script", ALIKE)
+def test_every_test_image_is_scored_once_and_the_saved_model_is_01s(script, same_batch_runs, quick_mnist_dir):
+    """Every rank's share of the test split counted, none twice; the file --save-model wrote is one plain state dict
+    of 01's Net, on the CPU, that scores in one process what the run's own evaluation said."""
+    _, record, weights = same_batch_runs[script]
+    assert [e["test_samples"] for e in record["epochs_detail"]] == [QUICK_TEST_IMAGES] * 2
+    net = load_script("01_single_gpu.py").Net()
+    assert weights.keys() == net.state_dict().keys()
+    assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in weights.values())  # no DTensor
+    reference = evaluate_on_one_process(quick_mnist_dir, weights)
+    assert record["test_accuracy"] == reference["test_accuracy"], script
+    assert record["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-6), script
 
 
 def test_metrics_record_is_complete_and_consistent(same_batch_runs):
-    for script, (_, record, _) in same_batch_runs.items():
+    for script in ALIKE:
+        _, record, _ = same_batch_runs[script]
         assert RECORD_KEYS <= record.keys(), f"{script} misses {RECORD_KEYS - record.keys()}"
         assert record["schema"] == 1
         batch = by_script(script).batch  # n x B, or 09's one batch B that every rank shares
-        per_device = 2 * B if batch.one_loader or batch.shared else 2 * B // record["world_size"]
+        per_device = 2 * B if batch.one_loader or batch.shared else 2 * B * batch.shared_by // record["world_size"]
         assert batch.global_batch(per_device, record["world_size"]) == record["global_batch"]
         assert record["train_samples"] == record["steps"] * record["global_batch"]
         assert [e["epoch"] for e in record["epochs_detail"]] == [1, 2]
@@ -96,10 +120,11 @@ def test_distributed_modes_record_their_world(same_batch_runs):
             assert record["threads"] == 1
 
 
-def test_only_rank_zero_prints_epoch_lines(same_batch_runs):
-    for script, (stdout, _, _) in same_batch_runs.items():
-        assert stdout.count("epoch 2:") == 1, f"{script}:\n{stdout}"
-        assert stdout.count("epoch 2 step 0 ") == 1, f"{script}:\n{stdout}"
+@pytest.mark.parametrize("script", ALIKE)
+def test_only_rank_zero_prints_epoch_lines(script, same_batch_runs):
+    stdout = same_batch_runs[script][0]
+    assert stdout.count("epoch 2:") == 1, f"{script}:\n{stdout}"
+    assert stdout.count("epoch 2 step 0 ") == 1, f"{script}:\n{stdout}"
 
 
 LAUNCHES = {  # world size: how 03 is started

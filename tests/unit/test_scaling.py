@@ -17,10 +17,13 @@ def measured_e2(mode):
         return next(float(r["efficiency"]) for r in csv.DictReader(f) if r["mode"] == mode and r["n"] == "2")
 
 
-@pytest.mark.parametrize("mode", ["ddp_launch", "fsdp", "tensor_parallel", "pipeline_parallel"])
+MODES_AT_2 = ["ddp_launch", "fsdp", "tensor_parallel", "pipeline_parallel"]
+
+
+@pytest.mark.parametrize("mode", MODES_AT_2)
 def test_on_the_cpu_the_prediction_of_e2_is_within_10_percent_of_the_harnesss_measured_e2(mode):
-    """03, 08, 09 and 10 at 2 ranks on 2 shared cores (10 by its busiest stage and its bubble). The inputs are 01's step from the sweep and each mode's split from
-    the anatomy's 3 profiled steps; E(2) comes from the harness's own epoch, apart from both."""
+    """03, 08, 09 and 10 at 2 ranks on 2 shared cores (10 by its busiest stage and its bubble). The inputs are 01's
+    step from the sweep and each mode's split from the anatomy's 3 profiled steps; E(2) comes from the harness's own epoch, apart from both."""
     predicted = scaling.predict(scaling.read_sweep(SWEEP), mode, 2, cores=2)["e_n"]
     assert predicted == pytest.approx(measured_e2(mode), rel=0.10), (mode, predicted, measured_e2(mode))
 
