@@ -12,6 +12,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from helpers import MODES, ROOT, load_script
+
 
 def test_a_dataparallel_state_dict_has_module_prefixes_even_on_the_cpu():
     assert sorted(nn.DataParallel(nn.Linear(2, 2)).state_dict()) == ["module.bias", "module.weight"]
@@ -66,3 +68,24 @@ def test_the_default_timeouts_are_30_minutes_and_10_with_nccl():
     from torch.distributed import constants
     assert constants.default_pg_timeout.total_seconds() == 30 * 60
     assert constants.default_pg_nccl_timeout.total_seconds() == 10 * 60
+
+
+def spans(numbers):
+    """["03", "04", "05", "06", "08"] as "03-06 and 08": the README's way of naming runs of scripts."""
+    runs, out = [], []
+    for number in numbers:
+        if runs and int(number) == int(runs[-1][-1]) + 1:
+            runs[-1].append(number)
+        else:
+            runs.append([number])
+    out = [run[0] if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs]
+    return ", ".join(out[:-1]) + " and " + out[-1] if len(out) > 1 else out[0]
+
+
+def test_the_readme_names_the_scripts_that_set_their_device_and_01s_steps_as_the_code_has_them():
+    """Read from the code, not from copies: who calls set_device_index, and how many full batches 01's epoch has."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    setting = [mode.number for mode in MODES.values() if "set_device_index" in (ROOT / mode.script).read_text()]
+    assert f"; {spans(setting)} set each rank's device;" in readme, spans(setting)
+    batch = load_script("01_single_gpu.py").parse_args([]).batch_size
+    assert f"01's whole epoch is {60000 // batch}." in readme
