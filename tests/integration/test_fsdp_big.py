@@ -52,7 +52,11 @@ def test_a_killed_rank_resumes_bitwise_at_the_same_world_size(whole, quick_mnist
         returncode, stdout, stderr = job.finish(120, "the restarted job")
     finally:
         job.kill()
-    assert returncode == 0 and stderr.count(RESTARTED) == 1, stderr[-3000:]
+    # One restart, for the kill. A second comes only from torch's known abort at a finished worker's exit
+    # (helpers.EXIT_ABORT, seen under load): that attempt finds the last snapshot complete and does nothing.
+    extra = stderr.count(RESTARTED) - 1
+    assert returncode == 0 and extra in (0, 1), stderr[-3000:]
+    assert stderr.count("epochs: nothing to do") == 2 * extra, stderr[-3000:]  # each rank of the extra attempt
     assert "resuming from" in stdout and "epoch 2, step 8" in stdout, stdout
     record, weights = outputs(out)
     reference, expected = whole["dropout"]
