@@ -23,8 +23,8 @@ MEDIANS = ["samples_per_s", "time_to_target_s", "test_accuracy", "test_loss", "p
 FORMATS = dict(dict.fromkeys(["speedup", "speed_ratio", "wall_ratio"], "{:.2f}x".format), bubble="{:.0%}".format,
                efficiency="{:.1%}".format, spread="{:.0%}".format, test_accuracy="{:.2%}".format,
                pct_of_limit="{:.0%}".format,
-               accuracy_diff=lambda v: f"{100 * v:+.2f} pp", peak_memory_bytes=lambda v: f"{v / 2**20:.0f} MiB",
-               training_bytes=lambda v: f"{v / 2**20:.0f} MiB",
+               accuracy_diff=lambda v: f"{100 * v:+.2f} pp",
+               **dict.fromkeys(["peak_memory_bytes", "training_bytes"], lambda v: f"{v / 2**20:.0f} MiB"),
                in_bytes="{:,.0f}".format, out_bytes="{:,.0f}".format, predicted="{:.1%}".format)
 SUMMARY_VIEW = dict(variant="variant", mode="mode", n="n", runs="runs", world_size="world size",
                     rule="global batch at n", global_batch="global batch", samples_per_s="samples/s",
