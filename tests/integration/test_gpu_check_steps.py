@@ -5,10 +5,11 @@ tests/unit/test_gpu_check.py)."""
 import json
 import re
 import sys
+import warnings
 
 import test_gpu as gpu_tests
 from bench import anatomy, gpu_check
-from helpers import SCRIPTS, run
+from helpers import EXIT_ABORT, SCRIPTS, run
 from test_step_anatomy import ddp, fsdp
 
 PY = sys.executable
@@ -54,6 +55,12 @@ def test_the_two_ranks_steps_four_checks_run_on_the_cpu_as_on_the_gpu(tmp_path, 
     checks.pop("nccl2")  # NCCL2 is NCCL's alone: on the CPU it would be 03 again
     killed, recorder = checks["killed"][0], checks["flight recorder"][0]
     runs = gpu_tests.train_at_once([], tmp_path, 240, checks)
+    # torch's abort at a finished worker's exit (helpers.run) makes one agent restart while the other waits at its
+    # exit: the killed check runs once more, alone, in a new folder.
+    if runs["killed"].failure and EXIT_ABORT in runs["killed"].output:
+        warnings.warn(f"the killed check: torch aborted a worker at exit ({EXIT_ABORT}); run again")
+        killed = gpu_tests.kept(tmp_path, "killed-again")
+        runs.update(gpu_tests.train_at_once([], tmp_path, 240, {"killed": (killed, gpu_tests.killed_ranks(killed))}))
     assert all(r.failure is None for r in runs.values()), {k: r.failure for k, r in runs.items()}
     for script, form in zip(gpu_tests.ANATOMY, [ddp(), fsdp(2)]):
         ranks, _ = anatomy.analyse(str(runs[script].out), 2)
