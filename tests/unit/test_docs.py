@@ -40,10 +40,12 @@ MEASUREMENT_LINES = 62  # 60 until the record named its script, mode and data it
 SECTIONS = ["Words you will meet", "Why DDP", "Set-up", "The scripts", "Running on the machine you have",
             "Common errors", "Coming from the blog posts", "Benchmark your machine", "Several machines", "Copying",
             "The way on"]
-# Words a learner meets, each defined in "Words you will meet" (as *word*) before the README uses it anywhere else.
+# Words a learner meets, each defined in docs/glossary.md, one term a row. The README's "Words you will meet" is
+# that table's first rows, and defines each of its words before the README uses it anywhere else.
 WORDS = ["rank", "world size", "local rank", "node rank", "collective", "broadcast", "all-reduce", "barrier",
          "backend", "process group", "store", "rendezvous", "launcher", "bucket", "global batch", "replica",
          "scatter", "gather", "replicate", "step", "epoch", "shard", "stage", "microbatch", "bubble", "mesh"]
+GLOSSARY = ROOT / "docs" / "glossary.md"
 
 
 def metrics_writes(script):
@@ -295,7 +297,14 @@ def test_the_readme_reads_top_to_bottom_within_320_lines():
     assert None not in order and order == sorted(order), list(zip(SECTIONS, order))
     glossary = text.index("## Words you will meet")
     glossary_end = text.index("\n## ", glossary + 1)
-    for word in WORDS:
+    rows = [line for line in GLOSSARY.read_text().splitlines() if line.startswith("| *")]
+    terms = [re.fullmatch(r"\| \*([^*|]+)\* \| [^|]+ \|", row) for row in rows]
+    assert all(terms), [row for row, term in zip(rows, terms) if not term]  # one term a row, then its meaning
+    defined_there = {term[1].lower() for term in terms}
+    assert set(WORDS) <= defined_there, set(WORDS) - defined_there
+    shown = [line for line in text[glossary:glossary_end].splitlines() if line.startswith("| *")]
+    assert shown and shown == rows[:len(shown)], "the README's words are not docs/glossary.md's first rows"
+    for word in (w for w in WORDS if w in {term[1].lower() for term in terms[:len(shown)]}):
         defined = text.find(f"*{word[0].upper()}{word[1:]}*", glossary, glossary_end)
         defined = defined if defined >= 0 else text.find(f"*{word}*", glossary, glossary_end)
         assert defined >= 0, f"{word!r} is not defined in Words you will meet"
