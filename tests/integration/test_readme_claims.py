@@ -9,6 +9,8 @@ tests/unit/test_readme_claims_in_process.py.
 """
 import inspect
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -251,23 +254,65 @@ def test_a_worker_error_is_one_line_above_torchruns_own_traceback():
     assert lines.index("Traceback (most recent call last):") > 0  # the launcher's, after the worker's line
 
 
-def test_a_rank_that_never_comes_leaves_the_others_waiting_silently():
-    """Rank 0 of two started by hand as torchrun would start it; rank 1 never starts: no error, no output."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **CPU_ONLY, **NO_NETWORK, **launcher_env(world_size=2)}
-    port = int(env["MASTER_PORT"])
+def rank_0_alone(**env):
+    """Rank 0 of two started by hand as torchrun would start it; rank 1 never starts. Returned once rank 0's
+    store is up: it is in init_process_group, waiting for rank 1."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **CPU_ONLY, **NO_NETWORK, **launcher_env(world_size=2), **env}
     waiting = subprocess.Popen([sys.executable, "03_ddp_launch.py", "--synthetic", "--max-steps", "1"], cwd=ROOT,
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not listening(int(env["MASTER_PORT"])):
+        if waiting.poll() is not None or time.monotonic() > deadline:
+            waiting.kill()
+            pytest.fail(f"rank 0 did not wait for rank 1: {waiting.communicate()}")
+        time.sleep(0.2)
+    return waiting
+
+
+def test_a_rank_that_never_comes_leaves_the_others_waiting_silently():
+    waiting = rank_0_alone()
     try:
-        deadline = time.monotonic() + 60
-        while not listening(port):  # rank 0's store is up: it is in init_process_group, waiting for rank 1
-            assert waiting.poll() is None and time.monotonic() < deadline, waiting.communicate()
-            time.sleep(0.2)
         time.sleep(2)
         assert waiting.poll() is None  # still waiting, and it would until the timeout (30 minutes with gloo)
     finally:
         waiting.kill()
         out, err = waiting.communicate()
     assert out == "" and "Traceback" not in err
+
+
+def test_a_stuck_rank_with_the_fault_handler_prints_where_it_waits_when_sent_sigabrt():
+    """The README's row: PYTHONFAULTHANDLER=1, then kill -ABRT PID: the Python stack, 03's own line in it."""
+    waiting = rank_0_alone(PYTHONFAULTHANDLER="1")
+    try:
+        time.sleep(1)
+        waiting.send_signal(signal.SIGABRT)
+        _, err = waiting.communicate(timeout=30)
+    finally:
+        waiting.kill()
+    assert "Fatal Python error: Aborted" in err and "in init_process_group" in err, err[-3000:]
+    assert re.search(r'03_ddp_launch\.py", line \d+ in setup', err), err[-3000:]
+
+
+def test_a_torchrun_nnodes_miscount_waits_for_the_join_timeout():
+    """--nnodes 2 and one agent: torchrun's rendezvous waits its join timeout, 600 s unless --rdzv-conf says."""
+    assert RendezvousTimeout().join == timedelta(seconds=600)  # the README's "600 s by default"
+    started = time.monotonic()
+    result = run([*TORCHRUN, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                  f"127.0.0.1:{free_port()}", "--rdzv-conf", "join_timeout=5", "03_ddp_launch.py", "--synthetic",
+                  "--max-steps", "1"], timeout=120, check=False)
+    assert result.returncode != 0 and "RendezvousTimeoutError" in result.stderr, result.stderr[-3000:]
+    assert time.monotonic() - started < 60 and result.stdout == ""  # no worker started
+
+
+def test_torchruns_log_dir_gives_each_rank_its_own_log_and_tee_prefixes_the_screens_lines(tmp_path):
+    shown = run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "--log-dir", tmp_path, "--redirects", "3",
+                 "--tee", "3", "03_ddp_launch.py", "--synthetic", "--max-steps", "2", "--log-interval", "0"],
+                timeout=180).stdout
+    assert re.search(r"^\[default0\]:03_ddp_launch\.py: \d+ samples/s", shown, re.M), shown  # the screen too
+    logs = {path.parent.name: path.read_text() for path in tmp_path.glob("*/attempt_0/*/stdout.log")}
+    assert sorted(logs) == ["0", "1"] and "samples/s, world size 2" in logs["0"], logs  # rank 0 prints
+    errors = sorted(path.parent.name for path in tmp_path.glob("*/attempt_0/*/stderr.log"))
+    assert errors == ["0", "1"], errors
 
 
 def listening(port):
