@@ -146,6 +146,19 @@ signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 # ---- the numbered scripts, started as a user starts them
 
+class Lazy(dict):
+    """{key: make(key)}, each made when a test first asks for it: a run that several tests read, started only if
+    one of them is selected."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key):
+        self[key] = self.make(key)
+        return self[key]
+
+
 def script_command(script, *args, nprocs=None, launcher=()):
     """The command a user types, as bench's table of modes starts the script: torchrun for 03, 06 and 08 (nprocs
     processes, default 1, launcher: torchrun's options); python for the others, and where nprocs is given 04's

@@ -7,35 +7,29 @@ import os
 import pytest
 import torch
 
-from helpers import (FSDP_TEST_BATCH as TEST_BATCH, QUICK_TEST_IMAGES, assert_same_update, evaluate_on_one_process,
-                     load_script, other_kernels, rounding_spread, run, script_command, train_args)
+from helpers import (FSDP_TEST_BATCH as TEST_BATCH, QUICK_TEST_IMAGES, Lazy, assert_same_update,
+                     evaluate_on_one_process, load_script, other_kernels, rounding_spread, run, script_command,
+                     train_args)
 
 GLOBAL_BATCH = 96  # = 1 x 96 = 2 x 48 = 3 x 32: every world size takes the same batches of the same order
 
 
-class Runs(dict):
-    """{(script number, world size): (record, saved weights)}, each run when first asked for: two short epochs at
-    the same global batch, dropout off so that the updates compare."""
+@pytest.fixture(scope="module")
+def runs(quick_mnist_dir, tmp_path_factory):
+    """{(script number, world size): (record, saved weights)}, each run when first asked for: two short epochs at the
+    same global batch, dropout off so that the updates compare."""
 
-    def __init__(self, data_dir, tmp_path_factory):
-        super().__init__()
-        self.data_dir, self.tmp_path_factory = data_dir, tmp_path_factory
-
-    def __missing__(self, key):
+    def make(key):
         number, n, *kernels = key  # ("01", 1, "other"): 01 on other CPU kernels, for the spread of rounding
         script = {"01": "01_single_gpu.py", "03": "03_ddp_launch.py", "08": "08_fsdp.py"}[number]
-        out = self.tmp_path_factory.mktemp(f"{number}-{n}")
-        args = train_args(self.data_dir, out, "--epochs", 2, "--max-steps", 3, "--no-dropout", "--batch-size",
+        out = tmp_path_factory.mktemp(f"{number}-{n}")
+        args = train_args(quick_mnist_dir, out, "--epochs", 2, "--max-steps", 3, "--no-dropout", "--batch-size",
                           GLOBAL_BATCH // n, "--test-batch-size", TEST_BATCH, "--log-interval", 0)
         run(script_command(script, *args, nprocs=None if number == "01" else n), timeout=120,
             env=other_kernels() if kernels else None)
-        self[key] = json.loads((out / "metrics.json").read_text()), torch.load(out / "model.pt")
-        return self[key]
+        return json.loads((out / "metrics.json").read_text()), torch.load(out / "model.pt")
 
-
-@pytest.fixture(scope="module")
-def runs(quick_mnist_dir, tmp_path_factory):
-    return Runs(quick_mnist_dir, tmp_path_factory)
+    return Lazy(make)
 
 
 @pytest.mark.parametrize("n", [3])  # at 2 ranks: the guarantee table's (tests/guarantees.py)

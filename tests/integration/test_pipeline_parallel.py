@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import QUICK_TEST_IMAGES, error_lines, evaluate_on_one_process, load_script, run, script_command
+from helpers import QUICK_TEST_IMAGES, Lazy, error_lines, evaluate_on_one_process, load_script, run, script_command
 
 SCRIPT = "10_pipeline_parallel.py"
 BATCH = 64  # both ranks' batch, and so the global one: 01 trains with the same; 4 microbatches of 16
@@ -17,31 +17,24 @@ TEST_BATCH = 300  # 1,000 test images: batches of 300, 300, 300 and 100, each se
 STAGE_0 = {"conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias"}  # stage 1: fc1 and fc2
 
 
-class Runs(dict):
-    """{(script number, schedule, dropout): (record, saved weights)}, each run when first asked for: three steps
-    of one epoch at the same batch."""
+@pytest.fixture(scope="module")
+def runs(quick_mnist_dir, tmp_path_factory):
+    """{(script number, schedule, dropout): (record, saved weights)}, each run when first asked for: three steps of one
+    epoch at the same batch."""
 
-    def __init__(self, data_dir, tmp_path_factory):
-        super().__init__()
-        self.data_dir, self.tmp_path_factory = data_dir, tmp_path_factory
-
-    def __missing__(self, key):
+    def make(key):
         number, schedule, dropout = key
-        out = self.tmp_path_factory.mktemp(f"{number}-{schedule}-{'dropout' if dropout else 'no-dropout'}")
-        args = ["--data-dir", self.data_dir, "--metrics-json", out / "metrics.json", "--save-model", out / "model.pt",
+        out = tmp_path_factory.mktemp(f"{number}-{schedule}-{'dropout' if dropout else 'no-dropout'}")
+        args = ["--data-dir", quick_mnist_dir, "--metrics-json", out / "metrics.json", "--save-model", out / "model.pt",
                 "--max-steps", 3, "--batch-size", BATCH, "--test-batch-size", TEST_BATCH, "--log-interval", 0,
                 *([] if dropout else ["--no-dropout"])]
         if number == "01":
             run(script_command("01_single_gpu.py", *args), timeout=120)
         else:
             run(script_command(SCRIPT, *args, "--schedule", schedule, nprocs=2), timeout=240)
-        self[key] = json.loads((out / "metrics.json").read_text()), torch.load(out / "model.pt")
-        return self[key]
+        return json.loads((out / "metrics.json").read_text()), torch.load(out / "model.pt")
 
-
-@pytest.fixture(scope="module")
-def runs(quick_mnist_dir, tmp_path_factory):
-    return Runs(quick_mnist_dir, tmp_path_factory)
+    return Lazy(make)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b"])  # GPipe, the default: the guarantee table's (tests/guarantees.py)

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from helpers import (QUICK_TEST_IMAGES, error_lines, evaluate_on_one_process, load_script, on_pythonpath, run,
-                     script_command)
+from helpers import (QUICK_TEST_IMAGES, Lazy, error_lines, evaluate_on_one_process, load_script, on_pythonpath,
+                     run, script_command)
 
 SCRIPT = "09_tensor_parallel.py"
 BATCH = 64  # every rank's batch, and so the global one: 01 trains with the same
@@ -17,18 +17,15 @@ TEST_BATCH = 300  # 1,000 test images: batches of 300, 300, 300 and 100, the sam
 SLICED = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1}  # the dimension each is split along; the rest whole
 
 
-class Runs(dict):
+@pytest.fixture(scope="module")
+def runs(quick_mnist_dir, tmp_path_factory):
     """{(script number, world size, dropout): (record, saved weights, [each rank's tensors])}, each run when first
     asked for: two short epochs at the same batch."""
 
-    def __init__(self, data_dir, tmp_path_factory):
-        super().__init__()
-        self.data_dir, self.tmp_path_factory = data_dir, tmp_path_factory
-
-    def __missing__(self, key):
+    def make(key):
         number, n, dropout = key
-        out = self.tmp_path_factory.mktemp(f"{number}-{n}-{'dropout' if dropout else 'no-dropout'}")
-        args = ["--data-dir", self.data_dir, "--metrics-json", out / "metrics.json", "--save-model", out / "model.pt",
+        out = tmp_path_factory.mktemp(f"{number}-{n}-{'dropout' if dropout else 'no-dropout'}")
+        args = ["--data-dir", quick_mnist_dir, "--metrics-json", out / "metrics.json", "--save-model", out / "model.pt",
                 "--epochs", 2, "--max-steps", 3, "--batch-size", BATCH, "--test-batch-size", TEST_BATCH,
                 "--log-interval", 0, *([] if dropout else ["--no-dropout"])]
         if number == "01":
@@ -37,13 +34,9 @@ class Runs(dict):
             env = dict(PYTHONPATH=on_pythonpath("rank_weights"), RANK_WEIGHTS_DIR=str(out))
             run(script_command(SCRIPT, *args, nprocs=n), timeout=240, env=env)
         ranks = [torch.load(out / f"rank{rank}.pt") for rank in range(n)] if number == "09" else None
-        self[key] = json.loads((out / "metrics.json").read_text()), torch.load(out / "model.pt"), ranks
-        return self[key]
+        return json.loads((out / "metrics.json").read_text()), torch.load(out / "model.pt"), ranks
 
-
-@pytest.fixture(scope="module")
-def runs(quick_mnist_dir, tmp_path_factory):
-    return Runs(quick_mnist_dir, tmp_path_factory)
+    return Lazy(make)
 
 
 @pytest.mark.parametrize("n", [4])  # at 2 ranks: the guarantee table's (tests/guarantees.py)

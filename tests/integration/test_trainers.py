@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import (EPOCH_KEYS, NO_NETWORK, QUICK_TEST_IMAGES, RECORD_KEYS, ROOT, SCRIPTS, TORCHRUN,
+from helpers import (EPOCH_KEYS, NO_NETWORK, Lazy, QUICK_TEST_IMAGES, RECORD_KEYS, ROOT, SCRIPTS, TORCHRUN,
                      assert_same_update, by_script, evaluate_on_one_process, load_script, other_kernels,
                      rounding_spread, run, run_two_nodes, script_command, train_args, without_the_measurement)
 
@@ -40,11 +40,7 @@ def same_batch_runs(quick_mnist_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("same-batch")
     extra = ["--epochs", 2, "--max-steps", 3, "--no-dropout"]
 
-    class Runs(dict):
-        def __missing__(self, script):
-            self[script] = run_mode(script, quick_mnist_dir, tmp / script, *extra)
-            return self[script]
-    return Runs()
+    return Lazy(lambda script: run_mode(script, quick_mnist_dir, tmp / script, *extra))
 
 
 ALIKE = [script for script in SCRIPTS if not by_script(script).needs]  # 07's: tests/integration/test_lightning.py
@@ -71,6 +67,20 @@ def test_same_global_batch_gives_the_same_update(script, same_batch_runs, roundi
         assert mine["train_loss"] == pytest.approx(reference_epoch["train_loss"], rel=1e-4), script
     assert 1.0 < record["epochs_detail"][0]["train_loss"] < 3.0, "chance is ln 10 = 2.3"
     assert_same_update(weights, reference, rounding, msg=script)
+
+
+def test_on_the_cpu_a_ranks_update_is_01s_on_one_thread_and_two_threads_round_otherwise(same_batch_runs,
+                                                                                     quick_mnist_dir, tmp_path):
+    """The README's way to see 01's update: torchrun gives each process one thread, so compare with 01 --threads 1.
+    01 on two threads sums in another order, further from it than 03's two ranks are."""
+    _, _, ddp = same_batch_runs["03_ddp_launch.py"]
+    single = {threads: run_mode(SCRIPTS[0], quick_mnist_dir, tmp_path / str(threads), "--epochs", 2, "--max-steps", 3,
+                                "--no-dropout", "--threads", threads)[2] for threads in (1, 2)}
+
+    def largest(a, b):
+        return max((a[name] - b[name]).abs().max().item() for name in a)
+    apart, threads_apart = largest(ddp, single[1]), largest(single[2], single[1])
+    assert threads_apart > 0 and apart * 4 < threads_apart, (apart, threads_apart)  # here 6.0e-8 and 4.6e-7
 
 
 @pytest.mark.parametrize("script", ALIKE)
