@@ -46,7 +46,7 @@ class Net(nn.Module):  # the classic PyTorch MNIST CNN, about 1.2 M parameters
         return self.fc2(x)
 
 
-def in_range(low, high=float("inf"), cast=int):  # an argparse type: low <= x < high, never NaN
+def in_range(low, high=float("inf"), cast=int):  # an argparse type; NaN fails its test
     def number(text):
         if not low <= cast(text) < high:
             raise argparse.ArgumentTypeError(f"must be in [{low}, {high}), got {text}")
@@ -54,7 +54,7 @@ def in_range(low, high=float("inf"), cast=int):  # an argparse type: low <= x < 
     return number
 
 
-def writable(path):  # an argparse type: a file we can write, tried now by writing beside it
+def writable(path):
     try:
         tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))).close()
     except OSError as e:
@@ -64,9 +64,9 @@ def writable(path):  # an argparse type: a file we can write, tried now by writi
     return path
 
 
-def parse_args(argv=None):  # each flag checked as it is read: a bad value must not cost a run
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
-                                exit_on_error=False)
+def parse_args(argv=None):  # each flag checked now: a bad value must not cost a run
+    p = argparse.ArgumentParser(description=__doc__, exit_on_error=False,
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data-dir", default="data", help="the data's folder")
     p.add_argument("--synthetic", action="store_true", help="random data: speed only")  # measure
     p.add_argument("--epochs", type=in_range(1), default=1)
@@ -87,43 +87,43 @@ def parse_args(argv=None):  # each flag checked as it is read: a bad value must 
     p.add_argument("--nr", "--node-rank", type=in_range(0), default=0, help="this node, 0..nodes-1")
     p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address")  # multinode
     p.add_argument("--master-port", type=in_range(1, 65536), help="a free port on rank 0's machine",
-                   default=int(os.environ.get("MASTER_PORT", 29500)))  # spawn: where they meet
+                   default=int(os.environ.get("MASTER_PORT", 29500)))  # spawn
     try:
         args = p.parse_args(argv)  # spawn: then checked against this machine's GPUs
-        socket.getaddrinfo(args.master_addr, args.master_port)  # multinode: not at the timeout
+        socket.getaddrinfo(args.master_addr, args.master_port)  # multinode
     except argparse.ArgumentError as e:
-        sys.exit(f"error: {e}")  # one line on stderr, exit status 1, as every bad input here
+        sys.exit(f"error: {e}")  # one line on stderr, exit status 1
     except socket.gaierror as e:  # multinode: a typo would wait for the rendezvous timeout
         sys.exit(f"error: --master-addr {args.master_addr}: {e.strerror}")
-    if args.nr >= args.nodes:  # multinode: the nodes are numbered from 0
+    if args.nr >= args.nodes:  # multinode
         sys.exit(f"error: --nr {args.nr} is outside 0..{args.nodes - 1}")
-    gpus = 0 if args.cpu else torch.accelerator.device_count()  # spawn: checked once, here
+    gpus = 0 if args.cpu else torch.accelerator.device_count()  # spawn
     if 0 < gpus < args.nprocs and torch.accelerator.current_accelerator().type != "mps":
         sys.exit(f"error: {args.nprocs} processes but {gpus} GPU(s): start fewer, or add --cpu")
     return args
 
 
-def setup(args):  # where this process trains (an accelerator if there is one); is it the main one
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP: of all
-    local_rank = int(os.environ["LOCAL_RANK"])  # spawn: the GPU; mp.spawn checked their count
-    accelerator = torch.accelerator.current_accelerator(check_available=True)  # CUDA, MPS, XPU...
+def setup(args):  # where this process trains, and whether it is the main one
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP
+    local_rank = int(os.environ["LOCAL_RANK"])  # spawn
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
     device = torch.device("cpu") if args.cpu or accelerator is None else accelerator
     if device.type == "mps":  # DDP: no backend takes MPS tensors today
         print("DDP cannot use MPS: training on the CPU", file=sys.stderr)
         device = torch.device("cpu")
-    if device.type != "cpu":  # DDP: one GPU per process, the current device for collectives
+    if device.type != "cpu":  # DDP: one GPU per process, current for collectives
         device = torch.device(device.type, local_rank)  # spawn: parse_args counted the GPUs
         torch.accelerator.set_device_index(local_rank)
-    torch.set_num_threads(args.threads or torch.get_num_threads())  # 0: PyTorch's choice
-    backend = dist.get_default_backend_for_device(device)  # DDP: gloo for the CPU, nccl for CUDA
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    backend = dist.get_default_backend_for_device(device)  # DDP: gloo on CPUs, nccl on CUDA
     backend = backend if dist.is_backend_available(backend) else "gloo"  # Windows: no NCCL
     dist.init_process_group(backend, device_id=None if device.type == "cpu" else device,
                             rank=rank, world_size=world_size)  # multinode: no torchrun store
-    return SimpleNamespace(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
-                           is_main=rank == 0)
+    return SimpleNamespace(device=device, rank=rank, world_size=world_size,
+                           local_rank=local_rank, is_main=rank == 0)
 
 
-class MNIST(Dataset):  # one split, fetched if missing, kept on the device: no input pipeline
+class MNIST(Dataset):  # one split, kept on the device: no input pipeline
     def __init__(self, args, train, device):
         if args.synthetic:  # measure
             self.images, self.labels = random_mnist(args.seed + train, train, device)  # measure
@@ -131,41 +131,41 @@ class MNIST(Dataset):  # one split, fetched if missing, kept on the device: no i
         try:
             mnist = datasets.MNIST(args.data_dir, train=train, download=True)
         except Exception as e:
-            cause = (str(e).strip() or type(e).__name__).splitlines()[-1]  # last line: the cause
+            cause = (str(e).strip() or type(e).__name__).splitlines()[-1]
             sys.exit(f"error: cannot load MNIST from {args.data_dir} ({cause}); a corrupt file: "
                      f"delete it; offline: copy the raw files into {args.data_dir}/MNIST/raw/")
         images = (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081  # MNIST's mean and std
-        self.images, self.labels = images.to(device), mnist.targets.to(device)  # fits any GPU
+        self.images, self.labels = images.to(device), mnist.targets.to(device)
 
     def __len__(self):
         return len(self.labels)
 
-    def __getitems__(self, rows):  # a DataLoader asks for a batch's rows at once: one indexing
-        index = torch.tensor(rows).to(self.labels.device, non_blocking=True)  # not waiting for it
+    def __getitems__(self, rows):  # a DataLoader's batch of rows in one indexing
+        index = torch.tensor(rows).to(self.labels.device, non_blocking=True)
         return self.images[index], self.labels[index]
 
 
 def collate(batch):
-    """The DataLoader's collate_fn: the rows the Dataset gave, as one batch (inputs, labels)."""
-    return batch  # MNIST's __getitems__ made it already
+    """The DataLoader's collate_fn: the Dataset's rows, as one batch (inputs, labels)."""
+    return batch
 
 
-def batches(dataset, rows, batch_size, seed):  # these rows in this order; the last may be short
+def batches(dataset, rows, batch_size, seed):
     seeds = torch.Generator().manual_seed(seed)  # the workers' seeds: not from dropout's RNG
     return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, generator=seeds,
                       num_workers=0, pin_memory=False)  # files: 2-8 workers, pinned on CUDA
 
 
 def load_data(args, rank, world_size, device):
-    """This rank's share: training(epoch)'s full batches, reshuffled; testing()'s rows, once."""
+    """This rank's share: training(epoch)'s full batches, shuffled; testing()'s rows, once."""
     train_set, test_set = MNIST(args, True, device), MNIST(args, False, device)
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
-    test_rows = range(rank, len(test_set), world_size)  # a sampler would pad with repeated rows
-    steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))  # full batches
+    test_rows = range(rank, len(test_set), world_size)  # a sampler would repeat rows
+    steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))
     if steps == 0:
         sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(sampler)} samples")
     def training(epoch):
-        sampler.set_epoch(epoch)  # a new shuffle of all the training samples every epoch
+        sampler.set_epoch(epoch)  # a new shuffle every epoch
         order = list(sampler)[:steps * args.batch_size]
         return batches(train_set, order, args.batch_size, args.seed + epoch)
     def testing():
@@ -173,26 +173,26 @@ def load_data(args, rank, world_size, device):
     return training, testing
 
 
-def train_epoch(model, train_batches, optimizer, args, world, epoch):  # the mean training loss
+def train_epoch(model, train_batches, optimizer, args, world, epoch):
     model.train()
     loss_sum = torch.zeros((), device=world.device)  # float32: MPS has no float64
     for step, (inputs, labels) in enumerate(train_batches):
         optimizer.zero_grad(set_to_none=True)
-        output = model(inputs.to(world.device, non_blocking=True))  # no-op if there already
+        output = model(inputs.to(world.device, non_blocking=True))
         loss = F.cross_entropy(output, labels.to(world.device, non_blocking=True))
         loss.backward()
         optimizer.step()
-        loss_sum += loss.detach()  # summed on the device: no waiting for the GPU
+        loss_sum += loss.detach()  # on the device: no waiting for the GPU
         if world.is_main and args.log_interval and step % args.log_interval == 0:
             print(f"epoch {epoch} step {step} loss {loss.item():.4f}", flush=True)
-    dist.all_reduce(loss_sum)  # DDP: summed over all ranks, each of which took as many steps
+    dist.all_reduce(loss_sum)  # DDP: summed over ranks, which all took as many steps
     return loss_sum.item() / (step + 1) / world.world_size
 
 
 @torch.no_grad()
-def evaluate(net, test_batches, world):  # loss, accuracy, and how many samples were scored
+def evaluate(net, test_batches, world):
     net.eval()
-    for buffer in net.buffers():  # DDP: all ranks test rank 0's model (BatchNorm's statistics)
+    for buffer in net.buffers():  # DDP: all test rank 0's model (BatchNorm's statistics)
         dist.broadcast(buffer, 0)
     loss_sum, correct, count = 0.0, 0, 0
     for inputs, labels in test_batches:
@@ -202,16 +202,16 @@ def evaluate(net, test_batches, world):  # loss, accuracy, and how many samples 
         correct += (output.argmax(dim=1) == labels).sum().item()
         count += len(labels)  # counted, not assumed: a dropped or a repeated row would show
     totals = torch.tensor([loss_sum, correct, count], device=world.device)  # DDP
-    dist.all_reduce(totals)  # DDP: each rank scored its share; these are the sums of all
+    dist.all_reduce(totals)  # DDP: the sums of every rank's share
     loss_sum, correct, count = totals.tolist()
     return dict(test_loss=loss_sum / count, test_accuracy=correct / count, test_samples=int(count))
 
 
 def run(args, world):
-    torch.manual_seed(args.seed + world.rank)  # DDP: its own dropout; DDP copies rank 0's weights
-    # multinode: rank 0 loads first (nodes may share a folder), then each node's first, the rest
+    torch.manual_seed(args.seed + world.rank)  # DDP: own dropout; DDP copies rank 0's weights
+    # multinode: first rank 0 (nodes may share a folder), then each node's first, then the rest
     for _ in range((world.rank != 0) + (world.local_rank != 0)):  # multinode: 0, 1 or 2 waits
-        dist.barrier()  # DDP: one process per machine makes the files (MNIST: a download) first
+        dist.barrier()  # DDP: one process per machine downloads first
     training, testing = load_data(args, world.rank, world.world_size, world.device)
     for _ in range((world.rank == 0) + (world.local_rank == 0)):  # multinode: 2, 1 or 0 after
         dist.barrier()  # DDP: the files are there
@@ -219,7 +219,7 @@ def run(args, world):
     model = DDP(net)  # DDP: averages the gradients of all ranks in backward()
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
-    epochs = []  # measure: each epoch's timing and results
+    epochs = []  # measure
     for epoch in range(1, args.epochs + 1):
         train_batches = training(epoch)
         train_batches = timed(train_batches, world, epochs)  # measure
@@ -232,11 +232,11 @@ def run(args, world):
                   f"{test['test_accuracy']:.2%} of {test['test_samples']} test samples", flush=True)
     if world.is_main and args.save_model:
         torch.save(net.state_dict(), args.save_model)
-    world.mode = "ddp_multinode"  # multinode: the record's name for this script  # measure
+    world.mode = "ddp_multinode"  # multinode  # measure
     write_record(args.metrics_json, args, world, epochs)  # measure
 
 
-def worker(local_rank, args):  # multinode: rank = node rank x processes per node + local rank
+def worker(local_rank, args):  # multinode
     os.environ.update(RANK=str(args.nr * args.nprocs + local_rank), LOCAL_RANK=str(local_rank),
                       WORLD_SIZE=str(args.nodes * args.nprocs), LOCAL_WORLD_SIZE=str(args.nprocs))
     run(args, setup(args))
@@ -244,44 +244,44 @@ def worker(local_rank, args):  # multinode: rank = node rank x processes per nod
 
 
 # ---- Measurement, for bench/ alone: delete it to `if __name__`, and the lines marked # measure.
-WARMUP_STEPS = 5  # left out of samples_per_s: the first steps pay for allocation and kernel choice
+WARMUP_STEPS = 5  # not in samples_per_s: the first steps pay for allocation and kernel choice
 
 
-def random_mnist(seed, train, device):  # --synthetic: MNIST's shapes and sizes, no download
+def random_mnist(seed, train, device):
     rng = torch.Generator().manual_seed(seed)
     images = torch.randn(60000 if train else 10000, 1, 28, 28, generator=rng)
     return images.to(device), torch.randint(0, 10, (len(images),), generator=rng).to(device)
 
 
-def clock(device):  # seconds once the device is done: GPU work is queued, not yet done
+def clock(device):  # seconds once the device is done: GPU work is queued
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
     return time.perf_counter()
 
 
-def timed(train_batches, world, epochs):  # the same batches; appends the epoch's timing to epochs
-    starts = []  # of the warm-up steps and of the first timed one: at least one step is timed
+def timed(train_batches, world, epochs):  # the same batches; the epoch's timing into epochs
+    starts = []
     for step, (inputs, labels) in enumerate(train_batches):
-        if step <= (0 if epochs else WARMUP_STEPS):  # warm-up: the first epoch's first steps
-            starts.append(clock(world.device))  # these wait for the device; later steps never do
+        if step <= (0 if epochs else WARMUP_STEPS):
+            starts.append(clock(world.device))  # only these steps wait for the device
         yield inputs, labels
     epochs.append(timing(world, starts, step + 1, len(labels)))
 
 
-def timing(world, starts, steps, batch):  # the samples of all ranks, in the slowest rank's time
-    seconds = [clock(world.device) - start for start in (starts[0], starts[-1])]  # all, steady
+def timing(world, starts, steps, batch):  # all ranks' samples in the slowest rank's time
+    seconds = [clock(world.device) - start for start in (starts[0], starts[-1])]
     if torch.distributed.is_initialized():
         seconds = torch.tensor(seconds, dtype=torch.float64, device=world.device)
         torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
-    batch *= getattr(world, "data_ranks", world.world_size)  # ranks that share a batch count once
+    batch *= getattr(world, "data_ranks", world.world_size)  # a shared batch counts once
     peaks = [torch.accelerator.max_memory_allocated(d) if d.type != "cpu" else None
              for d in getattr(world, "devices", [world.device])]  # DataParallel: one per GPU
     return dict(steps=steps, train_samples=steps * batch, train_time_s=float(seconds[0]),
                 steady_samples=(steps - len(starts) + 1) * batch, steady_time_s=float(seconds[1]),
-                peak_memory_bytes=max(peaks), peak_memory_per_device=peaks)  # on the CPU: None
+                peak_memory_bytes=max(peaks), peak_memory_per_device=peaks)  # CPU: None
 
 
-def write_record(path, args, world, epochs):  # what only the run knows; bench/ adds its command
+def write_record(path, args, world, epochs):  # what only the run knows
     if not world.is_main:
         return
     chips, last, group = getattr(world, "devices", [world.device]), epochs[-1], world.world_size
@@ -308,13 +308,13 @@ def write_record(path, args, world, epochs):  # what only the run knows; bench/ 
 if __name__ == "__main__":
     args = parse_args()
     os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port))  # multinode
-    if args.nprocs > 1:  # as torchrun does: these, and one thread per process unless told otherwise
+    if args.nprocs > 1:  # as torchrun: one thread per process unless told otherwise
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         mp.spawn(worker, args=(args,), nprocs=args.nprocs)
     except mp.ProcessRaisedException as e:  # spawn: mp.spawn has stopped the others
         sys.exit(f"error: process {e.error_index} failed: {str(e).strip().splitlines()[-1]}")
-    except mp.ProcessExitedException as e:  # spawn: killed by a signal, or it said why and exited
+    except mp.ProcessExitedException as e:  # spawn: a signal, or it said why and exited
         name = e.signal_name or {130: "SIGINT"}.get(e.exit_code)  # spawn: 130 = 128 + SIGINT
         why = {"SIGABRT": "NCCL's watchdog aborted it"}.get(name, "killed from outside")
         sys.exit(f"error: process {e.error_index}: {name}, {why}" if name else e.exit_code)

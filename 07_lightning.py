@@ -37,12 +37,12 @@ from lightning.pytorch.utilities import disable_possible_user_warnings  # Lightn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision import datasets
 
-# Lightning: output like 03's, without "GPU available" lines or advice on workers. At import, so
-# that the processes ddp_spawn starts (they import this file, they do not run it) are quiet too.
+# Lightning: output like 03's, without "GPU available" lines or advice on workers; at import,
+# so that ddp_spawn's processes (they import this file, not run it) are quiet too.
 for name in ["lightning.pytorch", "lightning.fabric"]:
     logging.getLogger(name).setLevel(logging.WARNING)
 disable_possible_user_warnings()
-warnings.filterwarnings("ignore", ".*LeafSpec.*", FutureWarning)  # torch is newer than Lightning
+warnings.filterwarnings("ignore", ".*LeafSpec.*", FutureWarning)  # from a newer torch
 
 
 class Net(nn.Module):  # the classic PyTorch MNIST CNN, about 1.2 M parameters
@@ -69,7 +69,7 @@ class Net(nn.Module):  # the classic PyTorch MNIST CNN, about 1.2 M parameters
         return self.fc2(x)
 
 
-def in_range(low, high=float("inf"), cast=int):  # an argparse type: low <= x < high, never NaN
+def in_range(low, high=float("inf"), cast=int):  # an argparse type; NaN fails its test
     def number(text):
         if not low <= cast(text) < high:
             raise argparse.ArgumentTypeError(f"must be in [{low}, {high}), got {text}")
@@ -77,7 +77,7 @@ def in_range(low, high=float("inf"), cast=int):  # an argparse type: low <= x < 
     return number
 
 
-def writable(path):  # an argparse type: a file we can write, tried now by writing beside it
+def writable(path):
     try:
         tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))).close()
     except OSError as e:
@@ -87,9 +87,9 @@ def writable(path):  # an argparse type: a file we can write, tried now by writi
     return path
 
 
-def parse_args(argv=None):  # each flag checked as it is read: a bad value must not cost a run
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
-                                exit_on_error=False)
+def parse_args(argv=None):  # each flag checked now: a bad value must not cost a run
+    p = argparse.ArgumentParser(description=__doc__, exit_on_error=False,
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data-dir", default="data", help="the data's folder")
     p.add_argument("--synthetic", action="store_true", help="random data: speed only")  # measure
     p.add_argument("--epochs", type=in_range(1), default=1)
@@ -104,7 +104,7 @@ def parse_args(argv=None):  # each flag checked as it is read: a bad value must 
     p.add_argument("--no-dropout", action="store_true", help="for exact comparisons of modes")
     p.add_argument("--save-model", type=writable, metavar="PATH", help="save the weights here")
     p.add_argument("--metrics-json", type=writable, metavar="PATH", help="the record")  # measure
-    # Lightning: the Trainer's own flags; under torchrun or srun, the processes the launcher started
+    # Lightning: the Trainer's own flags; under torchrun or srun, what the launcher started
     p.add_argument("--devices", type=in_range(1), default=1, help="processes per machine")
     p.add_argument("--num-nodes", type=in_range(1), default=1, help="machines, --devices on each")
     p.add_argument("--strategy", choices=["auto", "ddp", "ddp_spawn"], default="auto",
@@ -114,13 +114,13 @@ def parse_args(argv=None):  # each flag checked as it is read: a bad value must 
     try:
         return p.parse_args(argv)
     except argparse.ArgumentError as e:
-        sys.exit(f"error: {e}")  # one line on stderr, exit status 1, as every bad input here
+        sys.exit(f"error: {e}")  # one line on stderr, exit status 1
 
 
 def setup(args):
     """The Trainer, once the flags agree with the machine: it starts the processes, gives each its
     device and joins them in a process group (MNISTModule.setup reads where each one is)."""
-    per_node, nodes = args.devices, args.num_nodes  # Lightning: unless a launcher started them
+    per_node, nodes = args.devices, args.num_nodes  # Lightning: unless launched
     if "LOCAL_WORLD_SIZE" in os.environ:  # torchrun
         per_node = int(os.environ["LOCAL_WORLD_SIZE"])
         nodes = int(os.environ["WORLD_SIZE"]) // per_node
@@ -137,20 +137,20 @@ def setup(args):
         sys.exit(f"error: {args.devices} processes on this machine but {gpus} GPU(s): give fewer "
                  "--devices, or add --cpu to try DDP on the CPU")
     strategy = args.strategy  # Lightning: by name, unless this PyTorch has no NCCL (Windows)
-    if args.devices * args.num_nodes > 1 and not dist.is_nccl_available():  # gloo takes CUDA too
+    if args.devices * args.num_nodes > 1 and not dist.is_nccl_available():  # gloo: CUDA too
         start = "spawn" if args.strategy == "ddp_spawn" else "popen"
         strategy = DDPStrategy(start_method=start, process_group_backend="gloo")
     return L.Trainer(
         accelerator=accelerator, devices=args.devices, num_nodes=args.num_nodes,
         strategy=strategy, max_epochs=args.epochs,
         reload_dataloaders_every_n_epochs=1,  # train_dataloader() each epoch: its shuffle
-        use_distributed_sampler=False,  # the shares are load_data's, not a sampler of Lightning's
+        use_distributed_sampler=False,  # load_data's shares, not Lightning's sampler
         callbacks=[Timed(args)],  # measure
         num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False)
 
 
-class MNIST(Dataset):  # one split, fetched if missing, kept on the device: no input pipeline
+class MNIST(Dataset):  # one split, kept on the device: no input pipeline
     def __init__(self, args, train, device):
         if args.synthetic:  # measure
             self.images, self.labels = random_mnist(args.seed + train, train, device)  # measure
@@ -158,41 +158,41 @@ class MNIST(Dataset):  # one split, fetched if missing, kept on the device: no i
         try:
             mnist = datasets.MNIST(args.data_dir, train=train, download=True)
         except Exception as e:
-            cause = (str(e).strip() or type(e).__name__).splitlines()[-1]  # last line: the cause
+            cause = (str(e).strip() or type(e).__name__).splitlines()[-1]
             sys.exit(f"error: cannot load MNIST from {args.data_dir} ({cause}); a corrupt file: "
                      f"delete it; offline: copy the raw files into {args.data_dir}/MNIST/raw/")
         images = (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081  # MNIST's mean and std
-        self.images, self.labels = images.to(device), mnist.targets.to(device)  # fits any GPU
+        self.images, self.labels = images.to(device), mnist.targets.to(device)
 
     def __len__(self):
         return len(self.labels)
 
-    def __getitems__(self, rows):  # a DataLoader asks for a batch's rows at once: one indexing
-        index = torch.tensor(rows).to(self.labels.device, non_blocking=True)  # not waiting for it
+    def __getitems__(self, rows):  # a DataLoader's batch of rows in one indexing
+        index = torch.tensor(rows).to(self.labels.device, non_blocking=True)
         return self.images[index], self.labels[index]
 
 
 def collate(batch):
-    """The DataLoader's collate_fn: the rows the Dataset gave, as one batch (inputs, labels)."""
-    return batch  # MNIST's __getitems__ made it already
+    """The DataLoader's collate_fn: the Dataset's rows, as one batch (inputs, labels)."""
+    return batch
 
 
-def batches(dataset, rows, batch_size, seed):  # these rows in this order; the last may be short
+def batches(dataset, rows, batch_size, seed):
     seeds = torch.Generator().manual_seed(seed)  # the workers' seeds: not from dropout's RNG
     return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, generator=seeds,
                       num_workers=0, pin_memory=False)  # files: 2-8 workers, pinned on CUDA
 
 
 def load_data(args, rank, world_size, device):
-    """This rank's share: training(epoch)'s full batches, reshuffled; testing()'s rows, once."""
+    """This rank's share: training(epoch)'s full batches, shuffled; testing()'s rows, once."""
     train_set, test_set = MNIST(args, True, device), MNIST(args, False, device)
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
-    test_rows = range(rank, len(test_set), world_size)  # a sampler would pad with repeated rows
-    steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))  # full batches
+    test_rows = range(rank, len(test_set), world_size)  # a sampler would repeat rows
+    steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))
     if steps == 0:
         sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(sampler)} samples")
     def training(epoch):
-        sampler.set_epoch(epoch)  # a new shuffle of all the training samples every epoch
+        sampler.set_epoch(epoch)  # a new shuffle every epoch
         order = list(sampler)[:steps * args.batch_size]
         return batches(train_set, order, args.batch_size, args.seed + epoch)
     def testing():
@@ -200,7 +200,7 @@ def load_data(args, rank, world_size, device):
     return training, testing
 
 
-class MNISTModule(L.LightningModule):  # Lightning: 03's train_epoch, evaluate and run, as hooks
+class MNISTModule(L.LightningModule):  # Lightning: 03's loops, as hooks
     """The model, its data and its optimizer, in the hooks the Trainer calls: Lightning writes the
     loops, moves batches, zeroes gradients, calls backward and step, and wraps the model in DDP."""
 
@@ -212,7 +212,7 @@ class MNISTModule(L.LightningModule):  # Lightning: 03's train_epoch, evaluate a
         MNIST(self.args, True, "cpu")  # downloaded, if missing, before the others read it
         MNIST(self.args, False, "cpu")
 
-    # Lightning: in every process, in its process group; then the Trainer moves the model to the
+    # Lightning: in each process, in its group; then the Trainer moves the model to the
     # device and wraps it in DDP
     def setup(self, stage):
         args, trainer = self.args, self.trainer
@@ -222,10 +222,10 @@ class MNISTModule(L.LightningModule):  # Lightning: 03's train_epoch, evaluate a
             device=trainer.strategy.root_device, rank=trainer.global_rank,
             world_size=trainer.world_size, is_main=trainer.is_global_zero)
         world.nodes = trainer.num_nodes  # measure: the record's
-        world.mode = "lightning"  # Lightning: the record's name for this script  # measure
-        torch.manual_seed(args.seed + world.rank)  # DDP: its own dropout; DDP copies rank 0's
+        world.mode = "lightning"  # Lightning  # measure
+        torch.manual_seed(args.seed + world.rank)  # DDP: its own dropout
         self.train_batches, self.test_batches = load_data(args, world.rank, world.world_size,
-                                                          world.device)  # DDP: this rank's share
+                                                          world.device)  # DDP: its share
         self.net = Net(dropout=not args.no_dropout)
 
     def configure_optimizers(self):
@@ -234,7 +234,7 @@ class MNISTModule(L.LightningModule):  # Lightning: 03's train_epoch, evaluate a
         return dict(optimizer=optimizer, lr_scheduler=scheduler)  # stepped once an epoch
 
     def train_dataloader(self):  # Lightning: at each epoch's start, its full batches
-        return self.train_batches(self.current_epoch + 1)  # Lightning counts from 0, 03 from 1
+        return self.train_batches(self.current_epoch + 1)  # Lightning counts from 0
 
     def on_train_epoch_start(self):  # Lightning
         self.loss_sum = torch.zeros((), device=self.world.device)  # float32: MPS has no float64
@@ -243,7 +243,7 @@ class MNISTModule(L.LightningModule):  # Lightning: 03's train_epoch, evaluate a
         inputs, labels = batch  # Lightning moved them to the device
         output = self.net(inputs)
         loss = F.cross_entropy(output, labels)
-        self.loss_sum += loss.detach()  # summed on the device: no waiting for the GPU
+        self.loss_sum += loss.detach()  # on the device: no waiting for the GPU
         self.steps = batch_idx + 1
         args, epoch = self.args, self.current_epoch + 1  # Lightning counts epochs from 0
         if self.world.is_main and args.log_interval and batch_idx % args.log_interval == 0:
@@ -263,16 +263,16 @@ class MNISTModule(L.LightningModule):  # Lightning: 03's train_epoch, evaluate a
         output = self.net(inputs)
         self.test_loss_sum += F.cross_entropy(output, labels, reduction="sum").item()
         self.correct += (output.argmax(dim=1) == labels).sum().item()
-        self.count += len(labels)  # counted, not assumed: a dropped or a repeated row would show
+        self.count += len(labels)  # counted, not assumed: a lost or repeated row would show
 
     def on_validation_epoch_end(self):  # Lightning: the end of the epoch
-        world, reduce = self.world, self.trainer.strategy.reduce  # Lightning: dist.all_reduce,
+        world, reduce = self.world, self.trainer.strategy.reduce  # Lightning: all_reduce,
         totals = torch.tensor([self.test_loss_sum, self.correct, self.count],
                               device=world.device)  # or nothing on one device (no group)
-        loss_sum, correct, count = reduce(totals, reduce_op="sum").tolist()  # DDP: of all ranks
+        loss_sum, correct, count = reduce(totals, reduce_op="sum").tolist()  # DDP
         self.test = dict(test_loss=loss_sum / count, test_accuracy=correct / count,
                          test_samples=int(count))
-        loss_sum = reduce(self.loss_sum, reduce_op="sum")  # DDP: each rank took as many steps
+        loss_sum = reduce(self.loss_sum, reduce_op="sum")  # DDP: all took as many steps
         self.train_loss = loss_sum.item() / self.steps / world.world_size
         if world.is_main:
             print(f"epoch {self.current_epoch + 1}: train loss {self.train_loss:.4f}, accuracy "
@@ -295,8 +295,8 @@ def lost_peer(e):  # Lightning: trainer.fit raises what its rank met
 
 
 def run(args, trainer):
-    # Lightning: each step costs one collective more than 03's: Lightning 2.6 broadcasts rank 0's
-    # SIGTERM flag (on GPUs, waiting for it): Lightning-AI/pytorch-lightning#21487.
+    # Lightning: each step costs one collective more than 03's: Lightning 2.6 broadcasts
+    # rank 0's SIGTERM flag (on GPUs, waiting for it): Lightning-AI/pytorch-lightning#21487.
     try:
         trainer.fit(MNISTModule(args))
     except Exception as e:  # Lightning: a lost peer in one line; anything else: its traceback
@@ -306,12 +306,12 @@ def run(args, trainer):
                  f"{(str(e) or type(e).__name__).splitlines()[0]}")
 
 
-class Timed(L.Callback):  # Lightning: timed() and write_record() in the Trainer's hooks  # measure
+class Timed(L.Callback):  # Lightning  # measure: timed() and write_record() as hooks
     def __init__(self, args):  # measure
         self.args, self.epochs = args, []  # measure
 
     def on_train_batch_start(self, trainer, module, batch, step):  # measure
-        self.starts = [] if step == 0 else self.starts  # measure: of the warm-up steps, as timed()
+        self.starts = [] if step == 0 else self.starts  # measure: as timed()'s
         if step <= (0 if self.epochs else WARMUP_STEPS):  # measure
             self.starts.append(clock(module.world.device))  # measure
 
@@ -329,44 +329,44 @@ class Timed(L.Callback):  # Lightning: timed() and write_record() in the Trainer
 
 
 # ---- Measurement, for bench/ alone: delete it to `if __name__`, and the lines marked # measure.
-WARMUP_STEPS = 5  # left out of samples_per_s: the first steps pay for allocation and kernel choice
+WARMUP_STEPS = 5  # not in samples_per_s: the first steps pay for allocation and kernel choice
 
 
-def random_mnist(seed, train, device):  # --synthetic: MNIST's shapes and sizes, no download
+def random_mnist(seed, train, device):
     rng = torch.Generator().manual_seed(seed)
     images = torch.randn(60000 if train else 10000, 1, 28, 28, generator=rng)
     return images.to(device), torch.randint(0, 10, (len(images),), generator=rng).to(device)
 
 
-def clock(device):  # seconds once the device is done: GPU work is queued, not yet done
+def clock(device):  # seconds once the device is done: GPU work is queued
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
     return time.perf_counter()
 
 
-def timed(train_batches, world, epochs):  # the same batches; appends the epoch's timing to epochs
-    starts = []  # of the warm-up steps and of the first timed one: at least one step is timed
+def timed(train_batches, world, epochs):  # the same batches; the epoch's timing into epochs
+    starts = []
     for step, (inputs, labels) in enumerate(train_batches):
-        if step <= (0 if epochs else WARMUP_STEPS):  # warm-up: the first epoch's first steps
-            starts.append(clock(world.device))  # these wait for the device; later steps never do
+        if step <= (0 if epochs else WARMUP_STEPS):
+            starts.append(clock(world.device))  # only these steps wait for the device
         yield inputs, labels
     epochs.append(timing(world, starts, step + 1, len(labels)))
 
 
-def timing(world, starts, steps, batch):  # the samples of all ranks, in the slowest rank's time
-    seconds = [clock(world.device) - start for start in (starts[0], starts[-1])]  # all, steady
+def timing(world, starts, steps, batch):  # all ranks' samples in the slowest rank's time
+    seconds = [clock(world.device) - start for start in (starts[0], starts[-1])]
     if torch.distributed.is_initialized():
         seconds = torch.tensor(seconds, dtype=torch.float64, device=world.device)
         torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
-    batch *= getattr(world, "data_ranks", world.world_size)  # ranks that share a batch count once
+    batch *= getattr(world, "data_ranks", world.world_size)  # a shared batch counts once
     peaks = [torch.accelerator.max_memory_allocated(d) if d.type != "cpu" else None
              for d in getattr(world, "devices", [world.device])]  # DataParallel: one per GPU
     return dict(steps=steps, train_samples=steps * batch, train_time_s=float(seconds[0]),
                 steady_samples=(steps - len(starts) + 1) * batch, steady_time_s=float(seconds[1]),
-                peak_memory_bytes=max(peaks), peak_memory_per_device=peaks)  # on the CPU: None
+                peak_memory_bytes=max(peaks), peak_memory_per_device=peaks)  # CPU: None
 
 
-def write_record(path, args, world, epochs):  # what only the run knows; bench/ adds its command
+def write_record(path, args, world, epochs):  # what only the run knows
     if not world.is_main:
         return
     chips, last, group = getattr(world, "devices", [world.device]), epochs[-1], world.world_size

@@ -43,7 +43,7 @@ class Net(nn.Module):  # the classic PyTorch MNIST CNN, about 1.2 M parameters
         return self.fc2(x)
 
 
-def in_range(low, high=float("inf"), cast=int):  # an argparse type: low <= x < high, never NaN
+def in_range(low, high=float("inf"), cast=int):  # an argparse type; NaN fails its test
     def number(text):
         if not low <= cast(text) < high:
             raise argparse.ArgumentTypeError(f"must be in [{low}, {high}), got {text}")
@@ -51,7 +51,7 @@ def in_range(low, high=float("inf"), cast=int):  # an argparse type: low <= x < 
     return number
 
 
-def writable(path):  # an argparse type: a file we can write, tried now by writing beside it
+def writable(path):
     try:
         tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))).close()
     except OSError as e:
@@ -61,9 +61,9 @@ def writable(path):  # an argparse type: a file we can write, tried now by writi
     return path
 
 
-def parse_args(argv=None):  # each flag checked as it is read: a bad value must not cost a run
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
-                                exit_on_error=False)
+def parse_args(argv=None):  # each flag checked now: a bad value must not cost a run
+    p = argparse.ArgumentParser(description=__doc__, exit_on_error=False,
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data-dir", default="data", help="the data's folder")
     p.add_argument("--synthetic", action="store_true", help="random data: speed only")  # measure
     p.add_argument("--epochs", type=in_range(1), default=1)
@@ -83,44 +83,44 @@ def parse_args(argv=None):  # each flag checked as it is read: a bad value must 
     try:
         return p.parse_args(argv)
     except argparse.ArgumentError as e:
-        sys.exit(f"error: {e}")  # one line on stderr, exit status 1, as every bad input here
+        sys.exit(f"error: {e}")  # one line on stderr, exit status 1
 
 
-def attempt_store(rank):  # DDP, for restarts: one attempt must not read a killed one's keys
+def attempt_store(rank):  # DDP: a restart must not read a killed attempt's keys
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None  # not under torchrun's agent: init_process_group makes a fresh store
+        return None  # no torchrun agent: init_process_group makes a store
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),  # DDP
                           is_master=False)  # torchrun's, kept across attempts
-    starts = store.add(f"starts/rank{rank}", 1)  # DDP: 1, then 2 after a restart, on every rank
-    return dist.PrefixStore(f"attempt{starts}/", store)  # DDP: this attempt's keys, apart
+    starts = store.add(f"starts/rank{rank}", 1)  # DDP: 1, then 2 after a restart
+    return dist.PrefixStore(f"attempt{starts}/", store)  # DDP
 
 
-def setup(args):  # where this process trains (an accelerator if there is one); is it the main one
+def setup(args):  # where this process trains, and whether it is the main one
     if "RANK" not in os.environ:  # DDP: torchrun tells each process who it is
         sys.exit(f"error: start me with torchrun --standalone --nproc_per_node N {__file__}")
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP: of all
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP
     local_rank, per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])  # DDP
-    accelerator = torch.accelerator.current_accelerator(check_available=True)  # CUDA, MPS, XPU...
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
     device = torch.device("cpu") if args.cpu or accelerator is None else accelerator
     if device.type == "mps":  # DDP: no backend takes MPS tensors today
         print("DDP cannot use MPS: training on the CPU", file=sys.stderr)
         device = torch.device("cpu")
-    if device.type != "cpu":  # DDP: one GPU per process, the current device for collectives
+    if device.type != "cpu":  # DDP: one GPU per process, current for collectives
         if per_node > torch.accelerator.device_count():
             sys.exit(f"error: {per_node} processes on this machine but "
                      f"{torch.accelerator.device_count()} GPU(s): start fewer, or add --cpu")
         device = torch.device(device.type, local_rank)
         torch.accelerator.set_device_index(local_rank)
-    torch.set_num_threads(args.threads or torch.get_num_threads())  # 0: PyTorch's choice
-    backend = dist.get_default_backend_for_device(device)  # DDP: gloo for the CPU, nccl for CUDA
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    backend = dist.get_default_backend_for_device(device)  # DDP: gloo on CPUs, nccl on CUDA
     backend = backend if dist.is_backend_available(backend) else "gloo"  # Windows: no NCCL
     dist.init_process_group(backend, device_id=None if device.type == "cpu" else device,
                             store=attempt_store(rank), rank=rank, world_size=world_size)  # DDP
-    return SimpleNamespace(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
-                           is_main=rank == 0)
+    return SimpleNamespace(device=device, rank=rank, world_size=world_size,
+                           local_rank=local_rank, is_main=rank == 0)
 
 
-class MNIST(Dataset):  # one split, fetched if missing, kept on the device: no input pipeline
+class MNIST(Dataset):  # one split, kept on the device: no input pipeline
     def __init__(self, args, train, device):
         if args.synthetic:  # measure
             self.images, self.labels = random_mnist(args.seed + train, train, device)  # measure
@@ -128,41 +128,41 @@ class MNIST(Dataset):  # one split, fetched if missing, kept on the device: no i
         try:
             mnist = datasets.MNIST(args.data_dir, train=train, download=True)
         except Exception as e:
-            cause = (str(e).strip() or type(e).__name__).splitlines()[-1]  # last line: the cause
+            cause = (str(e).strip() or type(e).__name__).splitlines()[-1]
             sys.exit(f"error: cannot load MNIST from {args.data_dir} ({cause}); a corrupt file: "
                      f"delete it; offline: copy the raw files into {args.data_dir}/MNIST/raw/")
         images = (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081  # MNIST's mean and std
-        self.images, self.labels = images.to(device), mnist.targets.to(device)  # fits any GPU
+        self.images, self.labels = images.to(device), mnist.targets.to(device)
 
     def __len__(self):
         return len(self.labels)
 
-    def __getitems__(self, rows):  # a DataLoader asks for a batch's rows at once: one indexing
-        index = torch.tensor(rows).to(self.labels.device, non_blocking=True)  # not waiting for it
+    def __getitems__(self, rows):  # a DataLoader's batch of rows in one indexing
+        index = torch.tensor(rows).to(self.labels.device, non_blocking=True)
         return self.images[index], self.labels[index]
 
 
 def collate(batch):
-    """The DataLoader's collate_fn: the rows the Dataset gave, as one batch (inputs, labels)."""
-    return batch  # MNIST's __getitems__ made it already
+    """The DataLoader's collate_fn: the Dataset's rows, as one batch (inputs, labels)."""
+    return batch
 
 
-def batches(dataset, rows, batch_size, seed):  # these rows in this order; the last may be short
+def batches(dataset, rows, batch_size, seed):
     seeds = torch.Generator().manual_seed(seed)  # the workers' seeds: not from dropout's RNG
     return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, generator=seeds,
                       num_workers=0, pin_memory=False)  # files: 2-8 workers, pinned on CUDA
 
 
 def load_data(args, rank, world_size, device):
-    """This rank's share: training(epoch)'s full batches, reshuffled; testing()'s rows, once."""
+    """This rank's share: training(epoch)'s full batches, shuffled; testing()'s rows, once."""
     train_set, test_set = MNIST(args, True, device), MNIST(args, False, device)
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
-    test_rows = range(rank, len(test_set), world_size)  # a sampler would pad with repeated rows
-    steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))  # full batches
+    test_rows = range(rank, len(test_set), world_size)  # a sampler would repeat rows
+    steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))
     if steps == 0:
         sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(sampler)} samples")
     def training(epoch):
-        sampler.set_epoch(epoch)  # a new shuffle of all the training samples every epoch
+        sampler.set_epoch(epoch)  # a new shuffle every epoch
         order = list(sampler)[:steps * args.batch_size]
         return batches(train_set, order, args.batch_size, args.seed + epoch)
     def testing():
@@ -170,7 +170,7 @@ def load_data(args, rank, world_size, device):
     return training, testing
 
 
-def train_epoch(model, schedule, train_batches, optimizer, args, world, epoch):  # PP: mean loss
+def train_epoch(model, schedule, train_batches, optimizer, args, world, epoch):  # PP
     model.train()
     loss_sum = torch.zeros((), device=world.device)  # float32: MPS has no float64
     for step, (inputs, labels) in enumerate(train_batches):
@@ -179,17 +179,17 @@ def train_epoch(model, schedule, train_batches, optimizer, args, world, epoch): 
         feed = [inputs.to(world.device, non_blocking=True)] if world.rank == 0 else []  # PP
         schedule.step(*feed, target=labels.to(world.device, non_blocking=True), losses=losses)  # PP
         loss = sum(losses, torch.zeros((), device=world.device)).detach() / args.microbatches  # PP
-        dist.broadcast(loss, 1)  # PP: stage 1's mean loss (0 above on stage 0), for rank 0 too
+        dist.broadcast(loss, 1)  # PP: stage 1's mean loss, for rank 0 too
         optimizer.step()
-        loss_sum += loss.detach()  # summed on the device: no waiting for the GPU
+        loss_sum += loss.detach()  # on the device: no waiting for the GPU
         if world.is_main and args.log_interval and step % args.log_interval == 0:
             print(f"epoch {epoch} step {step} loss {loss.item():.4f}", flush=True)
-    dist.all_reduce(loss_sum)  # DDP: summed over all ranks, each of which took as many steps
+    dist.all_reduce(loss_sum)  # DDP: summed over ranks, which all took as many steps
     return loss_sum.item() / (step + 1) / world.world_size
 
 
 @torch.no_grad()
-def evaluate(net, test_batches, world):  # loss, accuracy, and how many samples were scored
+def evaluate(net, test_batches, world):
     net.eval()
     loss_sum, correct, count = 0.0, 0, 0
     for inputs, labels in test_batches:
@@ -197,14 +197,14 @@ def evaluate(net, test_batches, world):  # loss, accuracy, and how many samples 
         if world.rank == 0:  # PP: the first stage's output is the last stage's input
             dist.send(net(inputs), dst=1)  # PP
             continue  # PP: stage 1 scores the batch; stage 0 adds nothing to the sums
-        inputs = torch.empty(len(labels), net[0].in_features, device=world.device)  # PP: fc1's
+        inputs = torch.empty(len(labels), net[0].in_features, device=world.device)  # PP
         dist.recv(inputs, src=0)  # PP: what stage 0 made of this batch's images
         output = net(inputs)
         loss_sum += F.cross_entropy(output, labels, reduction="sum").item()
         correct += (output.argmax(dim=1) == labels).sum().item()
         count += len(labels)  # counted, not assumed: a dropped or a repeated row would show
     totals = torch.tensor([loss_sum, correct, count], device=world.device)  # DDP
-    dist.all_reduce(totals)  # DDP: each rank scored its share; these are the sums of all
+    dist.all_reduce(totals)  # DDP: the sums of every rank's share
     loss_sum, correct, count = totals.tolist()
     return dict(test_loss=loss_sum / count, test_accuracy=correct / count, test_samples=int(count))
 
@@ -216,21 +216,21 @@ def run(args, world):
         sys.exit(f"error: 2 stages, one a process: --nproc_per_node 2, not {world.world_size}")
     torch.manual_seed(args.seed)  # PP: 01's weights on both ranks; each keeps its stage's
     if world.local_rank != 0:
-        dist.barrier()  # DDP: one process per machine makes the files (MNIST: a download) first
+        dist.barrier()  # DDP: one process per machine downloads first
     training, testing = load_data(args, 0, 1, world.device)  # PP: 01's batches, on both ranks
     world.data_ranks = 1  # PP: the record counts each shared batch once  # measure
     if world.local_rank == 0:
         dist.barrier()  # DDP: the files are there
     net = Net(dropout=not args.no_dropout)  # PP: on the CPU; each rank moves its stage alone
-    model = [nn.Sequential(net.conv1, nn.ReLU(), net.conv2, nn.ReLU(), nn.MaxPool2d(2),  # PP: Net
-                           net.dropout1, nn.Flatten()),  # PP: up to flatten on rank 0, the rest
-             nn.Sequential(net.fc1, nn.ReLU(), net.dropout2, net.fc2)][world.rank]  # PP: on rank 1
-    stage = PipelineStage(model.to(world.device), world.rank, 2, world.device)  # PP: its layers
+    model = [nn.Sequential(net.conv1, nn.ReLU(), net.conv2, nn.ReLU(), nn.MaxPool2d(2),  # PP
+                           net.dropout1, nn.Flatten()),  # PP: rank 0 to flatten, 1 the rest
+             nn.Sequential(net.fc1, nn.ReLU(), net.dropout2, net.fc2)][world.rank]  # PP
+    stage = PipelineStage(model.to(world.device), world.rank, 2, world.device)  # PP
     Schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]  # PP
-    schedule = Schedule(stage, args.microbatches, loss_fn=F.cross_entropy)  # PP: gradients / m
+    schedule = Schedule(stage, args.microbatches, loss_fn=F.cross_entropy)  # PP: grads / m
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
-    epochs = []  # measure: each epoch's timing and results
+    epochs = []  # measure
     for epoch in range(1, args.epochs + 1):
         train_batches = training(epoch)
         train_batches = timed(train_batches, world, epochs)  # measure
@@ -241,7 +241,7 @@ def run(args, world):
         if world.is_main:
             print(f"epoch {epoch}: train loss {train_loss:.4f}, accuracy "
                   f"{test['test_accuracy']:.2%} of {test['test_samples']} test samples", flush=True)
-    held = [None, None]  # measure: what each stage holds: weights, gradients, Adadelta's averages
+    held = [None, None]  # measure: each stage's weights, gradients, Adadelta's averages
     dist.all_gather_object(held, sum(t.nbytes for p, state in optimizer.state.items()  # measure
                                      for t in [p, p.grad, *state.values()] if t.dim()))  # measure
     epochs[-1].update(bytes_per_rank=held, microbatches=args.microbatches)  # measure
@@ -250,49 +250,49 @@ def run(args, world):
         dist.all_gather_object(weights, [t.cpu() for t in model.state_dict().values()])  # PP
     if world.is_main and args.save_model:
         torch.save(dict(zip(net.state_dict(), weights[0] + weights[1])), args.save_model)  # PP
-    world.mode = "pipeline_parallel"  # PP: the record's name for this script  # measure
+    world.mode = "pipeline_parallel"  # PP  # measure
     write_record(args.metrics_json, args, world, epochs)  # measure
 
 
 # ---- Measurement, for bench/ alone: delete it to `if __name__`, and the lines marked # measure.
-WARMUP_STEPS = 5  # left out of samples_per_s: the first steps pay for allocation and kernel choice
+WARMUP_STEPS = 5  # not in samples_per_s: the first steps pay for allocation and kernel choice
 
 
-def random_mnist(seed, train, device):  # --synthetic: MNIST's shapes and sizes, no download
+def random_mnist(seed, train, device):
     rng = torch.Generator().manual_seed(seed)
     images = torch.randn(60000 if train else 10000, 1, 28, 28, generator=rng)
     return images.to(device), torch.randint(0, 10, (len(images),), generator=rng).to(device)
 
 
-def clock(device):  # seconds once the device is done: GPU work is queued, not yet done
+def clock(device):  # seconds once the device is done: GPU work is queued
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
     return time.perf_counter()
 
 
-def timed(train_batches, world, epochs):  # the same batches; appends the epoch's timing to epochs
-    starts = []  # of the warm-up steps and of the first timed one: at least one step is timed
+def timed(train_batches, world, epochs):  # the same batches; the epoch's timing into epochs
+    starts = []
     for step, (inputs, labels) in enumerate(train_batches):
-        if step <= (0 if epochs else WARMUP_STEPS):  # warm-up: the first epoch's first steps
-            starts.append(clock(world.device))  # these wait for the device; later steps never do
+        if step <= (0 if epochs else WARMUP_STEPS):
+            starts.append(clock(world.device))  # only these steps wait for the device
         yield inputs, labels
     epochs.append(timing(world, starts, step + 1, len(labels)))
 
 
-def timing(world, starts, steps, batch):  # the samples of all ranks, in the slowest rank's time
-    seconds = [clock(world.device) - start for start in (starts[0], starts[-1])]  # all, steady
+def timing(world, starts, steps, batch):  # all ranks' samples in the slowest rank's time
+    seconds = [clock(world.device) - start for start in (starts[0], starts[-1])]
     if torch.distributed.is_initialized():
         seconds = torch.tensor(seconds, dtype=torch.float64, device=world.device)
         torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
-    batch *= getattr(world, "data_ranks", world.world_size)  # ranks that share a batch count once
+    batch *= getattr(world, "data_ranks", world.world_size)  # a shared batch counts once
     peaks = [torch.accelerator.max_memory_allocated(d) if d.type != "cpu" else None
              for d in getattr(world, "devices", [world.device])]  # DataParallel: one per GPU
     return dict(steps=steps, train_samples=steps * batch, train_time_s=float(seconds[0]),
                 steady_samples=(steps - len(starts) + 1) * batch, steady_time_s=float(seconds[1]),
-                peak_memory_bytes=max(peaks), peak_memory_per_device=peaks)  # on the CPU: None
+                peak_memory_bytes=max(peaks), peak_memory_per_device=peaks)  # CPU: None
 
 
-def write_record(path, args, world, epochs):  # what only the run knows; bench/ adds its command
+def write_record(path, args, world, epochs):  # what only the run knows
     if not world.is_main:
         return
     chips, last, group = getattr(world, "devices", [world.device]), epochs[-1], world.world_size

@@ -54,7 +54,7 @@ class Net(nn.Module):  # the classic PyTorch MNIST CNN, about 1.2 M parameters
         return self.fc2(x)
 
 
-def in_range(low, high=float("inf"), cast=int):  # an argparse type: low <= x < high, never NaN
+def in_range(low, high=float("inf"), cast=int):  # an argparse type; NaN fails its test
     def number(text):
         if not low <= cast(text) < high:
             raise argparse.ArgumentTypeError(f"must be in [{low}, {high}), got {text}")
@@ -62,7 +62,7 @@ def in_range(low, high=float("inf"), cast=int):  # an argparse type: low <= x < 
     return number
 
 
-def writable(path):  # an argparse type: a file we can write, tried now by writing beside it
+def writable(path):
     try:
         tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))).close()
     except OSError as e:
@@ -72,9 +72,9 @@ def writable(path):  # an argparse type: a file we can write, tried now by writi
     return path
 
 
-def parse_args(argv=None):  # each flag checked as it is read: a bad value must not cost a run
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
-                                exit_on_error=False)
+def parse_args(argv=None):  # each flag checked now: a bad value must not cost a run
+    p = argparse.ArgumentParser(description=__doc__, exit_on_error=False,
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data-dir", default="data", help="the data's folder")
     p.add_argument("--synthetic", action="store_true", help="random data: speed only")  # measure
     p.add_argument("--epochs", type=in_range(1), default=1)
@@ -92,44 +92,44 @@ def parse_args(argv=None):  # each flag checked as it is read: a bad value must 
     try:
         return p.parse_args(argv)
     except argparse.ArgumentError as e:
-        sys.exit(f"error: {e}")  # one line on stderr, exit status 1, as every bad input here
+        sys.exit(f"error: {e}")  # one line on stderr, exit status 1
 
 
-def attempt_store(rank):  # DDP, for restarts: one attempt must not read a killed one's keys
+def attempt_store(rank):  # DDP: a restart must not read a killed attempt's keys
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None  # not under torchrun's agent: init_process_group makes a fresh store
+        return None  # no torchrun agent: init_process_group makes a store
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),  # DDP
                           is_master=False)  # torchrun's, kept across attempts
-    starts = store.add(f"starts/rank{rank}", 1)  # DDP: 1, then 2 after a restart, on every rank
-    return dist.PrefixStore(f"attempt{starts}/", store)  # DDP: this attempt's keys, apart
+    starts = store.add(f"starts/rank{rank}", 1)  # DDP: 1, then 2 after a restart
+    return dist.PrefixStore(f"attempt{starts}/", store)  # DDP
 
 
-def setup(args):  # where this process trains (an accelerator if there is one); is it the main one
+def setup(args):  # where this process trains, and whether it is the main one
     if "RANK" not in os.environ:  # DDP: torchrun tells each process who it is
         sys.exit(f"error: start me with torchrun --standalone --nproc_per_node N {__file__}")
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP: of all
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP
     local_rank, per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])  # DDP
-    accelerator = torch.accelerator.current_accelerator(check_available=True)  # CUDA, MPS, XPU...
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
     device = torch.device("cpu") if args.cpu or accelerator is None else accelerator
     if device.type == "mps":  # DDP: no backend takes MPS tensors today
         print("DDP cannot use MPS: training on the CPU", file=sys.stderr)
         device = torch.device("cpu")
-    if device.type != "cpu":  # DDP: one GPU per process, the current device for collectives
+    if device.type != "cpu":  # DDP: one GPU per process, current for collectives
         if per_node > torch.accelerator.device_count():
             sys.exit(f"error: {per_node} processes on this machine but "
                      f"{torch.accelerator.device_count()} GPU(s): start fewer, or add --cpu")
         device = torch.device(device.type, local_rank)
         torch.accelerator.set_device_index(local_rank)
-    torch.set_num_threads(args.threads or torch.get_num_threads())  # 0: PyTorch's choice
-    backend = dist.get_default_backend_for_device(device)  # DDP: gloo for the CPU, nccl for CUDA
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    backend = dist.get_default_backend_for_device(device)  # DDP: gloo on CPUs, nccl on CUDA
     backend = backend if dist.is_backend_available(backend) else "gloo"  # Windows: no NCCL
     dist.init_process_group(backend, device_id=None if device.type == "cpu" else device,
                             store=attempt_store(rank), rank=rank, world_size=world_size)  # DDP
     return SimpleNamespace(device=device, world_size=world_size, local_rank=local_rank,
-                           is_main=rank == 0)  # 2D: no rank: the mesh says which batches each takes
+                           is_main=rank == 0)  # 2D: no rank: the mesh says which batches
 
 
-class MNIST(Dataset):  # one split, fetched if missing, kept on the device: no input pipeline
+class MNIST(Dataset):  # one split, kept on the device: no input pipeline
     def __init__(self, args, train, device):
         if args.synthetic:  # measure
             self.images, self.labels = random_mnist(args.seed + train, train, device)  # measure
@@ -137,111 +137,112 @@ class MNIST(Dataset):  # one split, fetched if missing, kept on the device: no i
         try:
             mnist = datasets.MNIST(args.data_dir, train=train, download=True)
         except Exception as e:
-            cause = (str(e).strip() or type(e).__name__).splitlines()[-1]  # last line: the cause
+            cause = (str(e).strip() or type(e).__name__).splitlines()[-1]
             sys.exit(f"error: cannot load MNIST from {args.data_dir} ({cause}); a corrupt file: "
                      f"delete it; offline: copy the raw files into {args.data_dir}/MNIST/raw/")
         images = (mnist.data.unsqueeze(1) / 255 - 0.1307) / 0.3081  # MNIST's mean and std
-        self.images, self.labels = images.to(device), mnist.targets.to(device)  # fits any GPU
+        self.images, self.labels = images.to(device), mnist.targets.to(device)
 
     def __len__(self):
         return len(self.labels)
 
-    def __getitems__(self, rows):  # a DataLoader asks for a batch's rows at once: one indexing
-        index = torch.tensor(rows).to(self.labels.device, non_blocking=True)  # not waiting for it
+    def __getitems__(self, rows):  # a DataLoader's batch of rows in one indexing
+        index = torch.tensor(rows).to(self.labels.device, non_blocking=True)
         return self.images[index], self.labels[index]
 
 
 def collate(batch):
-    """The DataLoader's collate_fn: the rows the Dataset gave, as one batch (inputs, labels)."""
-    return batch  # MNIST's __getitems__ made it already
+    """The DataLoader's collate_fn: the Dataset's rows, as one batch (inputs, labels)."""
+    return batch
 
 
-def batches(dataset, rows, batch_size, seed):  # these rows in this order; the last may be short
+def batches(dataset, rows, batch_size, seed):
     seeds = torch.Generator().manual_seed(seed)  # the workers' seeds: not from dropout's RNG
     return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, generator=seeds,
                       num_workers=0, pin_memory=False)  # files: 2-8 workers, pinned on CUDA
 
 
 def load_data(args, rank, world_size, device):
-    """This rank's share: training(epoch)'s full batches, reshuffled; testing()'s rows, once."""
+    """This rank's share: training(epoch)'s full batches, shuffled; testing()'s rows, once."""
     train_set, test_set = MNIST(args, True, device), MNIST(args, False, device)
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
-    test_rows = range(rank, len(test_set), world_size)  # a sampler would pad with repeated rows
-    steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))  # full batches
+    test_rows = range(rank, len(test_set), world_size)  # a sampler would repeat rows
+    steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))
     if steps == 0:
         sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(sampler)} samples")
     def training(epoch):
-        sampler.set_epoch(epoch)  # a new shuffle of all the training samples every epoch
+        sampler.set_epoch(epoch)  # a new shuffle every epoch
         order = list(sampler)[:steps * args.batch_size]
         return batches(train_set, order, args.batch_size, args.seed + epoch)
     def testing():
-        count = math.ceil(len(test_set) / world_size / args.test_batch_size)  # FSDP: rank 0's
-        split = torch.tensor(test_rows).tensor_split(count)  # FSDP: as many batches on every rank
-        return DataLoader(test_set, batch_sampler=[rows.tolist() for rows in split],  # FSDP: each
-                          collate_fn=collate, generator=torch.Generator())  # forward all-gathers
+        # FSDP: every rank runs as many test batches as rank 0, since each forward all-gathers.
+        count = math.ceil(len(test_set) / world_size / args.test_batch_size)  # FSDP
+        split = torch.tensor(test_rows).tensor_split(count)  # FSDP
+        return DataLoader(test_set, batch_sampler=[rows.tolist() for rows in split],  # FSDP
+                          collate_fn=collate, generator=torch.Generator())
     return training, testing
 
 
-def train_epoch(model, train_batches, optimizer, args, world, epoch):  # the mean training loss
+def train_epoch(model, train_batches, optimizer, args, world, epoch):
     model.train()
     loss_sum = torch.zeros((), device=world.device)  # float32: MPS has no float64
     for step, (inputs, labels) in enumerate(train_batches):
         optimizer.zero_grad(set_to_none=True)
-        output = model(inputs.to(world.device, non_blocking=True))  # no-op if there already
+        output = model(inputs.to(world.device, non_blocking=True))
         loss = F.cross_entropy(output, labels.to(world.device, non_blocking=True))
         loss.backward()
         optimizer.step()
-        loss_sum += loss.detach()  # summed on the device: no waiting for the GPU
+        loss_sum += loss.detach()  # on the device: no waiting for the GPU
         if world.is_main and args.log_interval and step % args.log_interval == 0:
             print(f"epoch {epoch} step {step} loss {loss.item():.4f}", flush=True)
-    dist.all_reduce(loss_sum)  # DDP: summed over all ranks, each of which took as many steps
+    dist.all_reduce(loss_sum)  # DDP: summed over ranks, which all took as many steps
     return loss_sum.item() / (step + 1) / world.world_size
 
 
 @torch.no_grad()
-def evaluate(net, test_batches, world):  # loss, accuracy, and how many samples were scored
+def evaluate(net, test_batches, world):
     net.eval()
-    for buffer in net.buffers():  # DDP: all ranks test rank 0's model (BatchNorm's statistics)
+    for buffer in net.buffers():  # DDP: all test rank 0's model (BatchNorm's statistics)
         dist.broadcast(buffer, 0)
     loss_sum, correct, count = 0.0, 0, 0
-    for inputs, labels in test_batches:  # 2D: its TP group's share, the same on each of its ranks
+    for inputs, labels in test_batches:  # 2D: its TP group's share, on each of its ranks
         inputs, labels = inputs.to(world.device), labels.to(world.device)
         output = net(inputs)
         loss_sum += F.cross_entropy(output, labels, reduction="sum").item()
         correct += (output.argmax(dim=1) == labels).sum().item()
         count += len(labels)  # counted, not assumed: a dropped or a repeated row would show
     totals = torch.tensor([loss_sum, correct, count], device=world.device)  # 2D: as 08
-    dist.all_reduce(totals, group=world.dp_group)  # 2D: over dp only: its TP ranks scored the same
+    dist.all_reduce(totals, group=world.dp_group)  # 2D: over dp: its TP ranks scored the same
     loss_sum, correct, count = totals.tolist()  # 2D
     return dict(test_loss=loss_sum / count, test_accuracy=correct / count, test_samples=int(count))
 
 
 def run(args, world):
-    torch.manual_seed(args.seed)  # 2D: on every rank the same weights (fully_shard copies none)
-    # TP: each rank computes the convs' gradients alone; cuDNN's fastest kernels sum in any order:
-    torch.backends.cudnn.deterministic = True  # TP: else the ranks' copies drift apart by rounding
+    torch.manual_seed(args.seed)  # 2D: the same weights on all (fully_shard copies none)
+    # TP: each rank computes the convs' gradients alone; cuDNN's fastest sum in any order:
+    torch.backends.cudnn.deterministic = True  # TP: else the ranks' copies drift apart
     net = Net(dropout=not args.no_dropout).to(world.device)  # 2D: first, to check the mesh
     if world.world_size % TP or net.fc1.out_features % TP:  # 2D: before any work
         sys.exit(f"error: {world.world_size} ranks make no dp x {TP} mesh whose TP ranks split "
                  f"fc1's {net.fc1.out_features} outputs: start a multiple of {TP} processes")  # 2D
     dp = world.world_size // TP  # 2D: TP groups, each one data-parallel replica
     mesh = init_device_mesh(world.device.type, (dp, TP), mesh_dim_names=("dp", "tp"))  # 2D
-    world.dp_group = mesh.get_group("dp")  # 2D: one rank of each TP group, all with the same slices
+    world.dp_group = mesh.get_group("dp")  # 2D: one rank of each TP group: the same slices
     if world.local_rank != 0:
-        dist.barrier()  # DDP: one process per machine makes the files (MNIST: a download) first
+        dist.barrier()  # DDP: one process per machine downloads first
     training, testing = load_data(args, mesh.get_local_rank("dp"), dp, world.device)  # 2D
     world.data_ranks = dp  # 2D: the record counts each group's batch once  # measure
     if world.local_rank == 0:
         dist.barrier()  # DDP: the files are there
-    torch.manual_seed(args.seed + mesh.get_local_rank("dp"))  # 2D: each TP group's own dropout
+    torch.manual_seed(args.seed + mesh.get_local_rank("dp"))  # 2D: each TP group's dropout
     plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}  # TP: 1 all-reduce each way
     parallelize_module(net, mesh["tp"], plan)  # 2D: TP inside each dp group, as in 09
     for layer in net.children():  # 2D: then FSDP across the groups, layer by layer, as in 08
         fully_shard(layer, mesh=mesh["dp"])  # 2D
-    model = fully_shard(net, mesh=mesh["dp"])  # 2D: the root; each rank holds 1/n of fc1 and fc2
-    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)  # 2D: as 08: all DTensors
+    model = fully_shard(net, mesh=mesh["dp"])  # 2D: the root; each rank holds 1/n of fc1, fc2
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)  # 2D: all DTensors
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
-    epochs = []  # measure: each epoch's timing and results
+    epochs = []  # measure
     for epoch in range(1, args.epochs + 1):
         train_batches = training(epoch)
         train_batches = timed(train_batches, world, epochs)  # measure
@@ -252,65 +253,65 @@ def run(args, world):
         if world.is_main:
             print(f"epoch {epoch}: train loss {train_loss:.4f}, accuracy "
                   f"{test['test_accuracy']:.2%} of {test['test_samples']} test samples", flush=True)
-    epochs[-1].update(held_bytes(model, optimizer, world))  # measure: the bytes each rank holds
-    if args.save_model:  # FSDP: every rank sends its shards, rank 0 saves one plain state dict
+    epochs[-1].update(held_bytes(model, optimizer, world))  # measure
+    if args.save_model:  # FSDP: all send their shards, rank 0 saves one plain state dict
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = get_model_state_dict(model, options=options)  # empty on the other ranks
         if world.is_main:
             torch.save(weights, args.save_model)
-    world.mode = "fsdp_tp"  # 2D: the record's name for this script  # measure
+    world.mode = "fsdp_tp"  # 2D  # measure
     write_record(args.metrics_json, args, world, epochs)  # measure
 
 
-def held_bytes(model, optimizer, world):  # FSDP: what each rank holds, and DDP's copy  # measure
+def held_bytes(model, optimizer, world):  # FSDP  # measure: each rank's bytes, and DDP's copy
     tensors = [t for p, state in optimizer.state.items()  # measure: weights, gradients, state
-               for t in [p, p.grad, *state.values()] if t.dim()]  # TP: no step counts  # measure
+               for t in [p, p.grad, *state.values()] if t.dim()]  # TP  # measure
     held = [None] * world.world_size  # measure: every rank's shards, for rank 0's record
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]  # measure  # TP
-    dist.all_gather_object(held, sum(t.nbytes for t in local))  # 2D: shards of slices  # measure
-    full = sum(t.numel() * t.element_size() for t in tensors)  # measure: a DTensor's is the whole's
+    dist.all_gather_object(held, sum(t.nbytes for t in local))  # 2D  # measure
+    full = sum(t.numel() * t.element_size() for t in tensors)  # measure: global sizes
     return dict(bytes_per_rank=held, full_copy_bytes=full)  # measure
 
 
 # ---- Measurement, for bench/ alone: delete it to `if __name__`, and the lines marked # measure.
-WARMUP_STEPS = 5  # left out of samples_per_s: the first steps pay for allocation and kernel choice
+WARMUP_STEPS = 5  # not in samples_per_s: the first steps pay for allocation and kernel choice
 
 
-def random_mnist(seed, train, device):  # --synthetic: MNIST's shapes and sizes, no download
+def random_mnist(seed, train, device):
     rng = torch.Generator().manual_seed(seed)
     images = torch.randn(60000 if train else 10000, 1, 28, 28, generator=rng)
     return images.to(device), torch.randint(0, 10, (len(images),), generator=rng).to(device)
 
 
-def clock(device):  # seconds once the device is done: GPU work is queued, not yet done
+def clock(device):  # seconds once the device is done: GPU work is queued
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
     return time.perf_counter()
 
 
-def timed(train_batches, world, epochs):  # the same batches; appends the epoch's timing to epochs
-    starts = []  # of the warm-up steps and of the first timed one: at least one step is timed
+def timed(train_batches, world, epochs):  # the same batches; the epoch's timing into epochs
+    starts = []
     for step, (inputs, labels) in enumerate(train_batches):
-        if step <= (0 if epochs else WARMUP_STEPS):  # warm-up: the first epoch's first steps
-            starts.append(clock(world.device))  # these wait for the device; later steps never do
+        if step <= (0 if epochs else WARMUP_STEPS):
+            starts.append(clock(world.device))  # only these steps wait for the device
         yield inputs, labels
     epochs.append(timing(world, starts, step + 1, len(labels)))
 
 
-def timing(world, starts, steps, batch):  # the samples of all ranks, in the slowest rank's time
-    seconds = [clock(world.device) - start for start in (starts[0], starts[-1])]  # all, steady
+def timing(world, starts, steps, batch):  # all ranks' samples in the slowest rank's time
+    seconds = [clock(world.device) - start for start in (starts[0], starts[-1])]
     if torch.distributed.is_initialized():
         seconds = torch.tensor(seconds, dtype=torch.float64, device=world.device)
         torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
-    batch *= getattr(world, "data_ranks", world.world_size)  # ranks that share a batch count once
+    batch *= getattr(world, "data_ranks", world.world_size)  # a shared batch counts once
     peaks = [torch.accelerator.max_memory_allocated(d) if d.type != "cpu" else None
              for d in getattr(world, "devices", [world.device])]  # DataParallel: one per GPU
     return dict(steps=steps, train_samples=steps * batch, train_time_s=float(seconds[0]),
                 steady_samples=(steps - len(starts) + 1) * batch, steady_time_s=float(seconds[1]),
-                peak_memory_bytes=max(peaks), peak_memory_per_device=peaks)  # on the CPU: None
+                peak_memory_bytes=max(peaks), peak_memory_per_device=peaks)  # CPU: None
 
 
-def write_record(path, args, world, epochs):  # what only the run knows; bench/ adds its command
+def write_record(path, args, world, epochs):  # what only the run knows
     if not world.is_main:
         return
     chips, last, group = getattr(world, "devices", [world.device]), epochs[-1], world.world_size
