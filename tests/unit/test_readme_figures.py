@@ -51,8 +51,11 @@ def first_run_block(script):
     return [line for line in (FIRST_RUN / f"{script}.log").read_text().splitlines() if not line.startswith("W1")]
 
 
-def first_run_speed(script):
-    return int(re.search(r": (\d+) samples/s", (FIRST_RUN / f"{script}.log").read_text())[1])
+def spread(script):
+    """The slowest and the fastest of a first run's three tries (results/first-run/ABOUT.md), as "609-764"."""
+    logs = [FIRST_RUN / f"{script}{tail}.log" for tail in ("", "-2", "-3")]
+    speeds = [int(re.search(r": (\d+) samples/s", log.read_text())[1]) for log in logs]
+    return f"{min(speeds)}-{max(speeds)}"
 
 
 FIRST_RUNS = ["01_single_gpu", "03_ddp_launch"]
@@ -93,9 +96,8 @@ def measured(cpu_dir=CPU):
         f"{steps['08']['exposed_comm_ms']:.1f} ms of collectives exposed, where 03's "
         f"{steps['03']['overlapped_comm_ms']:.1f} ms all overlapped",
         f"stage 1 holds {stage_1:.0%} of the weights",
-        f"those 200 steps of 64 images were {200 * 64 / first_run_speed('01_single_gpu'):.0f} s of training at "
-        f"{first_run_speed('01_single_gpu')} samples/s",
-        f"measured 01 at {single:.0f} samples/s",
+        f"three runs each, one after another: 01's 200 steps at {spread('01_single_gpu')} samples/s, 03's 100 at "
+        f"{spread('03_ddp_launch')}",
         f"one H200 trained 01 at {min(gpu_01) / 1000:.0f},000-{max(gpu_01) / 1000:.0f},000 samples/s",
         f"({fsdp:.0f} against {ddp:.0f} samples/s, {fsdp / ddp:.2f}x 03's, at n = 2 on the CPU)",
         f"{one_decimal_mb(fsdp_record['bytes_per_rank'][0])} per rank at n = 2 of the "
@@ -191,7 +193,7 @@ def test_a_changed_result_or_a_new_figure_fails_the_check(tmp_path, change):
             (tmp_path / "metrics" / path.name).write_text(path.read_text())
         (tmp_path / "ABOUT.md").write_text((CPU / "ABOUT.md").read_text())
         (tmp_path / "summary.csv").write_text((CPU / "summary.csv").read_text().replace("859.869", "700.0", 1))
-        assert sum(sentence not in readme for sentence in measured(tmp_path)) == 3  # 01's samples/s in each
+        assert sum(sentence not in readme for sentence in measured(tmp_path)) == 2  # 01's samples/s in each
     else:
         assert unaccounted(readme + " 02 ran at 1,234 samples/s.", accounted()) == ["1,234 samples/s"]
 
