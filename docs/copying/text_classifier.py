@@ -28,7 +28,7 @@ class Net(nn.Module):  # a bag of words: the mean of a row's token embeddings, 4
         return self.fc(self.dropout(self.embed(x)))
 
 
-def in_range(low, high=float("inf"), cast=int):  # an argparse type: low <= x < high, never NaN
+def in_range(low, high=float("inf"), cast=int):  # an argparse type; NaN fails its test
     def number(text):
         if not low <= cast(text) < high:
             raise argparse.ArgumentTypeError(f"must be in [{low}, {high}), got {text}")
@@ -36,7 +36,7 @@ def in_range(low, high=float("inf"), cast=int):  # an argparse type: low <= x < 
     return number
 
 
-def writable(path):  # an argparse type: a file we can write, tried now by writing beside it
+def writable(path):
     try:
         tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))).close()
     except OSError as e:
@@ -46,9 +46,9 @@ def writable(path):  # an argparse type: a file we can write, tried now by writi
     return path
 
 
-def parse_args(argv=None):  # each flag checked as it is read: a bad value must not cost a run
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
-                                exit_on_error=False)
+def parse_args(argv=None):  # each flag checked now: a bad value must not cost a run
+    p = argparse.ArgumentParser(description=__doc__, exit_on_error=False,
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data-dir", default="data", help="the data's folder")
     p.add_argument("--epochs", type=in_range(1), default=1)
     p.add_argument("--batch-size", type=in_range(1), default=64, help="batch of this process")
@@ -64,41 +64,41 @@ def parse_args(argv=None):  # each flag checked as it is read: a bad value must 
     try:
         return p.parse_args(argv)
     except argparse.ArgumentError as e:
-        sys.exit(f"error: {e}")  # one line on stderr, exit status 1, as every bad input here
+        sys.exit(f"error: {e}")  # one line on stderr, exit status 1
 
 
-def attempt_store(rank):  # DDP, for restarts: one attempt must not read a killed one's keys
+def attempt_store(rank):  # DDP: a restart must not read a killed attempt's keys
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None  # not under torchrun's agent: init_process_group makes a fresh store
+        return None  # no torchrun agent: init_process_group makes a store
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),  # DDP
                           is_master=False)  # torchrun's, kept across attempts
-    starts = store.add(f"starts/rank{rank}", 1)  # DDP: 1, then 2 after a restart, on every rank
-    return dist.PrefixStore(f"attempt{starts}/", store)  # DDP: this attempt's keys, apart
+    starts = store.add(f"starts/rank{rank}", 1)  # DDP: 1, then 2 after a restart
+    return dist.PrefixStore(f"attempt{starts}/", store)  # DDP
 
 
-def setup(args):  # where this process trains (an accelerator if there is one); is it the main one
+def setup(args):  # where this process trains, and whether it is the main one
     if "RANK" not in os.environ:  # DDP: torchrun tells each process who it is
         sys.exit(f"error: start me with torchrun --standalone --nproc_per_node N {__file__}")
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP: of all
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP
     local_rank, per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])  # DDP
-    accelerator = torch.accelerator.current_accelerator(check_available=True)  # CUDA, MPS, XPU...
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
     device = torch.device("cpu") if args.cpu or accelerator is None else accelerator
     if device.type == "mps":  # DDP: no backend takes MPS tensors today
         print("DDP cannot use MPS: training on the CPU", file=sys.stderr)
         device = torch.device("cpu")
-    if device.type != "cpu":  # DDP: one GPU per process, the current device for collectives
+    if device.type != "cpu":  # DDP: one GPU per process, current for collectives
         if per_node > torch.accelerator.device_count():
             sys.exit(f"error: {per_node} processes on this machine but "
                      f"{torch.accelerator.device_count()} GPU(s): start fewer, or add --cpu")
         device = torch.device(device.type, local_rank)
         torch.accelerator.set_device_index(local_rank)
-    torch.set_num_threads(args.threads or torch.get_num_threads())  # 0: PyTorch's choice
-    backend = dist.get_default_backend_for_device(device)  # DDP: gloo for the CPU, nccl for CUDA
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    backend = dist.get_default_backend_for_device(device)  # DDP: gloo on CPUs, nccl on CUDA
     backend = backend if dist.is_backend_available(backend) else "gloo"  # Windows: no NCCL
     dist.init_process_group(backend, device_id=None if device.type == "cpu" else device,
                             store=attempt_store(rank), rank=rank, world_size=world_size)  # DDP
-    return SimpleNamespace(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
-                           is_main=rank == 0)
+    return SimpleNamespace(device=device, rank=rank, world_size=world_size,
+                           local_rank=local_rank, is_main=rank == 0)
 
 
 class CSVText(Dataset):  # rows "label,token ids" of train.csv or test.csv, on the CPU
@@ -120,12 +120,12 @@ class CSVText(Dataset):  # rows "label,token ids" of train.csv or test.csv, on t
 
 
 def collate(batch):
-    """The DataLoader's collate_fn: the rows the Dataset gave, as one batch (inputs, labels)."""
+    """The DataLoader's collate_fn: the Dataset's rows, as one batch (inputs, labels)."""
     tokens, labels = zip(*batch)
     return nn.utils.rnn.pad_sequence(tokens, batch_first=True), torch.tensor(labels)  # ids 0-padded
 
 
-def batches(dataset, rows, batch_size, seed):  # these rows in this order; the last may be short
+def batches(dataset, rows, batch_size, seed):
     seeds = torch.Generator().manual_seed(seed)  # the workers' seeds: not from dropout's RNG
     return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, generator=seeds,
                       num_workers=2, pin_memory=torch.cuda.is_available(),  # files: pinned on CUDA
@@ -133,15 +133,15 @@ def batches(dataset, rows, batch_size, seed):  # these rows in this order; the l
 
 
 def load_data(args, rank, world_size, device):
-    """This rank's share: training(epoch)'s full batches, reshuffled; testing()'s rows, once."""
+    """This rank's share: training(epoch)'s full batches, shuffled; testing()'s rows, once."""
     train_set, test_set = CSVText(args, True, device), CSVText(args, False, device)
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
-    test_rows = range(rank, len(test_set), world_size)  # a sampler would pad with repeated rows
-    steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))  # full batches
+    test_rows = range(rank, len(test_set), world_size)  # a sampler would repeat rows
+    steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))
     if steps == 0:
         sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(sampler)} samples")
     def training(epoch):
-        sampler.set_epoch(epoch)  # a new shuffle of all the training samples every epoch
+        sampler.set_epoch(epoch)  # a new shuffle every epoch
         order = list(sampler)[:steps * args.batch_size]
         return batches(train_set, order, args.batch_size, args.seed + epoch)
     def testing():
@@ -149,26 +149,26 @@ def load_data(args, rank, world_size, device):
     return training, testing
 
 
-def train_epoch(model, train_batches, optimizer, args, world, epoch):  # the mean training loss
+def train_epoch(model, train_batches, optimizer, args, world, epoch):
     model.train()
     loss_sum = torch.zeros((), device=world.device)  # float32: MPS has no float64
     for step, (inputs, labels) in enumerate(train_batches):
         optimizer.zero_grad(set_to_none=True)
-        output = model(inputs.to(world.device, non_blocking=True))  # no-op if there already
+        output = model(inputs.to(world.device, non_blocking=True))
         loss = F.cross_entropy(output, labels.to(world.device, non_blocking=True))
         loss.backward()
         optimizer.step()
-        loss_sum += loss.detach()  # summed on the device: no waiting for the GPU
+        loss_sum += loss.detach()  # on the device: no waiting for the GPU
         if world.is_main and args.log_interval and step % args.log_interval == 0:
             print(f"epoch {epoch} step {step} loss {loss.item():.4f}", flush=True)
-    dist.all_reduce(loss_sum)  # DDP: summed over all ranks, each of which took as many steps
+    dist.all_reduce(loss_sum)  # DDP: summed over ranks, which all took as many steps
     return loss_sum.item() / (step + 1) / world.world_size
 
 
 @torch.no_grad()
-def evaluate(net, test_batches, world):  # loss, accuracy, and how many samples were scored
+def evaluate(net, test_batches, world):
     net.eval()
-    for buffer in net.buffers():  # DDP: all ranks test rank 0's model (BatchNorm's statistics)
+    for buffer in net.buffers():  # DDP: all test rank 0's model (BatchNorm's statistics)
         dist.broadcast(buffer, 0)
     loss_sum, correct, count = 0.0, 0, 0
     for inputs, labels in test_batches:
@@ -178,15 +178,15 @@ def evaluate(net, test_batches, world):  # loss, accuracy, and how many samples 
         correct += (output.argmax(dim=1) == labels).sum().item()
         count += len(labels)  # counted, not assumed: a dropped or a repeated row would show
     totals = torch.tensor([loss_sum, correct, count], device=world.device)  # DDP
-    dist.all_reduce(totals)  # DDP: each rank scored its share; these are the sums of all
+    dist.all_reduce(totals)  # DDP: the sums of every rank's share
     loss_sum, correct, count = totals.tolist()
     return dict(test_loss=loss_sum / count, test_accuracy=correct / count, test_samples=int(count))
 
 
 def run(args, world):
-    torch.manual_seed(args.seed + world.rank)  # DDP: its own dropout; DDP copies rank 0's weights
+    torch.manual_seed(args.seed + world.rank)  # DDP: own dropout; DDP copies rank 0's weights
     if world.local_rank != 0:
-        dist.barrier()  # DDP: one process per machine makes the files (MNIST: a download) first
+        dist.barrier()  # DDP: one process per machine downloads first
     training, testing = load_data(args, world.rank, world.world_size, world.device)
     if world.local_rank == 0:
         dist.barrier()  # DDP: the files are there

@@ -30,7 +30,7 @@ class Net(nn.Module):  # a bag of words: the mean of a row's token embeddings, 4
         return self.fc(self.dropout(self.embed(x)))
 
 
-def in_range(low, high=float("inf"), cast=int):  # an argparse type: low <= x < high, never NaN
+def in_range(low, high=float("inf"), cast=int):  # an argparse type; NaN fails its test
     def number(text):
         if not low <= cast(text) < high:
             raise argparse.ArgumentTypeError(f"must be in [{low}, {high}), got {text}")
@@ -38,7 +38,7 @@ def in_range(low, high=float("inf"), cast=int):  # an argparse type: low <= x < 
     return number
 
 
-def writable(path):  # an argparse type: a file we can write, tried now by writing beside it
+def writable(path):
     try:
         tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))).close()
     except OSError as e:
@@ -48,9 +48,9 @@ def writable(path):  # an argparse type: a file we can write, tried now by writi
     return path
 
 
-def parse_args(argv=None):  # each flag checked as it is read: a bad value must not cost a run
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
-                                exit_on_error=False)
+def parse_args(argv=None):  # each flag checked now: a bad value must not cost a run
+    p = argparse.ArgumentParser(description=__doc__, exit_on_error=False,
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data-dir", default="data", help="the data's folder")
     p.add_argument("--epochs", type=in_range(1), default=1)
     p.add_argument("--batch-size", type=in_range(1), default=64, help="batch of this process")
@@ -69,47 +69,47 @@ def parse_args(argv=None):  # each flag checked as it is read: a bad value must 
     try:
         return p.parse_args(argv)
     except argparse.ArgumentError as e:
-        sys.exit(f"error: {e}")  # one line on stderr, exit status 1, as every bad input here
+        sys.exit(f"error: {e}")  # one line on stderr, exit status 1
 
 
-def lost(error):  # 06: the errors we can explain; any other is a bug and keeps its traceback
-    known = (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError)  # gloo's: below
+def lost(error):  # 06: the errors we can explain; a bug keeps its traceback
+    known = (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError)
     return isinstance(error, known) or "/gloo/transport/" in str(error).split("]")[0]
 
 
-def attempt_store(args, rank):  # DDP, for restarts: one attempt must not read a killed one's keys
+def attempt_store(args, rank):  # DDP: a restart must not read a killed attempt's keys
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None  # not under torchrun's agent: init_process_group makes a fresh store
+        return None  # no torchrun agent: init_process_group makes a store
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),  # DDP
                           is_master=False, timeout=timedelta(seconds=args.timeout))  # 06
-    starts = store.add(f"starts/rank{rank}", 1)  # DDP: 1, then 2 after a restart, on every rank
-    return dist.PrefixStore(f"attempt{starts}/", store)  # DDP: this attempt's keys, apart
+    starts = store.add(f"starts/rank{rank}", 1)  # DDP: 1, then 2 after a restart
+    return dist.PrefixStore(f"attempt{starts}/", store)  # DDP
 
 
-def setup(args):  # where this process trains (an accelerator if there is one); is it the main one
+def setup(args):  # where this process trains, and whether it is the main one
     if "RANK" not in os.environ:  # DDP: torchrun tells each process who it is
         sys.exit(f"error: start me with torchrun --standalone --nproc_per_node N {__file__}")
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP: of all
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP
     local_rank, per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])  # DDP
-    accelerator = torch.accelerator.current_accelerator(check_available=True)  # CUDA, MPS, XPU...
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
     device = torch.device("cpu") if args.cpu or accelerator is None else accelerator
     if device.type == "mps":  # DDP: no backend takes MPS tensors today
         print("DDP cannot use MPS: training on the CPU", file=sys.stderr)
         device = torch.device("cpu")
-    if device.type != "cpu":  # DDP: one GPU per process, the current device for collectives
+    if device.type != "cpu":  # DDP: one GPU per process, current for collectives
         if per_node > torch.accelerator.device_count():
             sys.exit(f"error: {per_node} processes on this machine but "
                      f"{torch.accelerator.device_count()} GPU(s): start fewer, or add --cpu")
         device = torch.device(device.type, local_rank)
         torch.accelerator.set_device_index(local_rank)
-    torch.set_num_threads(args.threads or torch.get_num_threads())  # 0: PyTorch's choice
-    backend = dist.get_default_backend_for_device(device)  # DDP: gloo for the CPU, nccl for CUDA
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    backend = dist.get_default_backend_for_device(device)  # DDP: gloo on CPUs, nccl on CUDA
     backend = backend if dist.is_backend_available(backend) else "gloo"  # Windows: no NCCL
     dist.init_process_group(backend, device_id=None if device.type == "cpu" else device,
                             store=attempt_store(args, rank), rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=args.timeout))  # 06: every wait
-    return SimpleNamespace(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
-                           is_main=rank == 0)
+    return SimpleNamespace(device=device, rank=rank, world_size=world_size,
+                           local_rank=local_rank, is_main=rank == 0)
 
 
 class CSVText(Dataset):  # rows "label,token ids" of train.csv or test.csv, on the CPU
@@ -131,12 +131,12 @@ class CSVText(Dataset):  # rows "label,token ids" of train.csv or test.csv, on t
 
 
 def collate(batch):
-    """The DataLoader's collate_fn: the rows the Dataset gave, as one batch (inputs, labels)."""
+    """The DataLoader's collate_fn: the Dataset's rows, as one batch (inputs, labels)."""
     tokens, labels = zip(*batch)
     return nn.utils.rnn.pad_sequence(tokens, batch_first=True), torch.tensor(labels)  # ids 0-padded
 
 
-def batches(dataset, rows, batch_size, seed):  # these rows in this order; the last may be short
+def batches(dataset, rows, batch_size, seed):
     seeds = torch.Generator().manual_seed(seed)  # the workers' seeds: not from dropout's RNG
     return DataLoader(dataset, batch_size, sampler=rows, collate_fn=collate, generator=seeds,
                       num_workers=2, pin_memory=torch.cuda.is_available(),  # files: pinned on CUDA
@@ -144,15 +144,15 @@ def batches(dataset, rows, batch_size, seed):  # these rows in this order; the l
 
 
 def load_data(args, rank, world_size, device):
-    """This rank's share: training(epoch)'s full batches, reshuffled; testing()'s rows, once."""
+    """This rank's share: training(epoch)'s full batches, shuffled; testing()'s rows, once."""
     train_set, test_set = CSVText(args, True, device), CSVText(args, False, device)
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)
-    test_rows = range(rank, len(test_set), world_size)  # a sampler would pad with repeated rows
-    steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))  # full batches
+    test_rows = range(rank, len(test_set), world_size)  # a sampler would repeat rows
+    steps = min(len(sampler) // args.batch_size, args.max_steps or len(sampler))
     if steps == 0:
         sys.exit(f"error: --batch-size {args.batch_size} is more than the {len(sampler)} samples")
-    def training(epoch, first):  # 06: a resumed epoch goes on from step first, in the same order
-        sampler.set_epoch(epoch)  # a new shuffle of all the training samples every epoch
+    def training(epoch, first):  # 06: a resumed epoch goes on from step first
+        sampler.set_epoch(epoch)  # a new shuffle every epoch
         order = list(sampler)[first * args.batch_size:steps * args.batch_size]  # 06
         return batches(train_set, order, args.batch_size, args.seed + epoch)
     def testing():
@@ -162,26 +162,26 @@ def load_data(args, rank, world_size, device):
 
 def train_epoch(model, train_batches, optimizer, args, world, epoch, first, so_far, save):  # 06
     model.train()
-    loss_sum = torch.tensor(so_far, device=world.device)  # 06: float32 (MPS), a resumed epoch's sum
-    for step, (inputs, labels) in enumerate(train_batches, first):  # 06: a resumed epoch's numbers
+    loss_sum = torch.tensor(so_far, device=world.device)  # 06: the sum so far, float32
+    for step, (inputs, labels) in enumerate(train_batches, first):  # 06: from first
         optimizer.zero_grad(set_to_none=True)
-        output = model(inputs.to(world.device, non_blocking=True))  # no-op if there already
+        output = model(inputs.to(world.device, non_blocking=True))
         loss = F.cross_entropy(output, labels.to(world.device, non_blocking=True))
         loss.backward()
         optimizer.step()
-        loss_sum += loss.detach()  # summed on the device: no waiting for the GPU
+        loss_sum += loss.detach()  # on the device: no waiting for the GPU
         if world.is_main and args.log_interval and step % args.log_interval == 0:
             print(f"epoch {epoch} step {step} loss {loss.item():.4f}", flush=True)
         if args.snapshot_every and (step + 1) % args.snapshot_every == 0:  # 06
-            save(epoch, step + 1, loss_sum.item())  # 06: with the sum so far, for a resumed epoch
-    dist.all_reduce(loss_sum)  # DDP: summed over all ranks, each of which took as many steps
+            save(epoch, step + 1, loss_sum.item())  # 06: with the sum so far
+    dist.all_reduce(loss_sum)  # DDP: summed over ranks, which all took as many steps
     return loss_sum.item() / (step + 1) / world.world_size
 
 
 @torch.no_grad()
-def evaluate(net, test_batches, world):  # loss, accuracy, and how many samples were scored
+def evaluate(net, test_batches, world):
     net.eval()
-    for buffer in net.buffers():  # DDP: all ranks test rank 0's model (BatchNorm's statistics)
+    for buffer in net.buffers():  # DDP: all test rank 0's model (BatchNorm's statistics)
         dist.broadcast(buffer, 0)
     loss_sum, correct, count = 0.0, 0, 0
     for inputs, labels in test_batches:
@@ -191,26 +191,26 @@ def evaluate(net, test_batches, world):  # loss, accuracy, and how many samples 
         correct += (output.argmax(dim=1) == labels).sum().item()
         count += len(labels)  # counted, not assumed: a dropped or a repeated row would show
     totals = torch.tensor([loss_sum, correct, count], device=world.device)  # DDP
-    dist.all_reduce(totals)  # DDP: each rank scored its share; these are the sums of all
+    dist.all_reduce(totals)  # DDP: the sums of every rank's share
     loss_sum, correct, count = totals.tolist()
     return dict(test_loss=loss_sum / count, test_accuracy=correct / count, test_samples=int(count))
 
 
 def save_snapshot(args, world, net, optimizer, scheduler, epoch, step, layout, loss):  # 06
-    """All an exact resume needs: weights, optimizer, schedule, position, RNGs, the data layout."""
+    """What an exact resume needs: weights, optimizer, schedule, position, RNGs, layout."""
     rngs = [None] * world.world_size
     gpu = None if world.device.type == "cpu" else torch.get_device_module(world.device)
     gpu = gpu and gpu.get_rng_state()  # each rank draws its own dropout masks
-    dist.all_gather_object(rngs, (torch.get_rng_state(), gpu, loss))  # its dropout, its loss sum
+    dist.all_gather_object(rngs, (torch.get_rng_state(), gpu, loss))  # its dropout, its sum
     if world.is_main:
         state = dict(model=net.state_dict(), optimizer=optimizer.state_dict(), epoch=epoch,
                      scheduler=scheduler.state_dict(), step=step, rngs=rngs, layout=layout)
-        torch.save(state, f"{args.snapshot}.tmp")  # a kill during the save leaves the last whole:
-        os.replace(f"{args.snapshot}.tmp", args.snapshot)  # the new file replaces it once written
+        torch.save(state, f"{args.snapshot}.tmp")  # a kill now leaves the last snapshot whole:
+        os.replace(f"{args.snapshot}.tmp", args.snapshot)  # replaced only once written
 
 
 def resume(path, world, net, optimizer, scheduler, layout):  # 06
-    """(epoch, step, loss sum) to go on from: all ranks resume rank 0's copy, if all see one."""
+    """(epoch, step, loss sum) to go on from: rank 0's copy, for all, if all see one."""
     state = seen = None
     if path and os.path.exists(path):
         try:
@@ -220,7 +220,7 @@ def resume(path, world, net, optimizer, scheduler, layout):  # 06
             seen = f"snapshot {path} could not be loaded ({type(e).__name__}); move it away"
     views = [None] * world.world_size
     dist.all_gather_object(views, seen)
-    for error in [view for view in views if isinstance(view, str)]:  # every rank stops, not one
+    for error in [view for view in views if isinstance(view, str)]:  # all stop, not one
         sys.exit(f"error: {error}")
     if len(set(views)) > 1:
         said = ", ".join(f"rank {r}: {'none' if v is None else 'epoch %d step %d' % v[:2]}"
@@ -229,14 +229,14 @@ def resume(path, world, net, optimizer, scheduler, layout):  # 06
                  "must be on a path every node sees")
     if seen is None:
         return 1, 0, 0.0
-    if seen[2] != layout:  # with another batch size, seed or world size a step has other samples
+    if seen[2] != layout:  # another batch size, seed or world size: other samples
         sys.exit(f"error: snapshot {path} is from {seen[2]}, not {layout}: match it or move it")
-    dist.broadcast_object_list(sent := [state], src=0)  # all resume what rank 0 read: one state
+    dist.broadcast_object_list(sent := [state], src=0)  # all resume rank 0's state
     state = sent[0]
     net.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    cpu_rng, gpu_rng, loss_sum = state["rngs"][world.rank]  # each rank's own dropout masks go on
+    cpu_rng, gpu_rng, loss_sum = state["rngs"][world.rank]  # each rank's dropout masks go on
     torch.set_rng_state(cpu_rng)
     if gpu_rng is not None:
         torch.get_device_module(world.device).set_rng_state(gpu_rng)
@@ -246,9 +246,9 @@ def resume(path, world, net, optimizer, scheduler, layout):  # 06
 
 
 def run(args, world):
-    torch.manual_seed(args.seed + world.rank)  # DDP: its own dropout; DDP copies rank 0's weights
+    torch.manual_seed(args.seed + world.rank)  # DDP: own dropout; DDP copies rank 0's weights
     if world.local_rank != 0:
-        dist.barrier()  # DDP: one process per machine makes the files (MNIST: a download) first
+        dist.barrier()  # DDP: one process per machine downloads first
     training, testing, steps = load_data(args, world.rank, world.world_size, world.device)  # 06
     if world.local_rank == 0:
         dist.barrier()  # DDP: the files are there
@@ -256,10 +256,10 @@ def run(args, world):
     model = DDP(net)  # DDP: averages the gradients of all ranks in backward()
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
-    layout = (f"world size {world.world_size}, --batch-size {args.batch_size}, --seed {args.seed}, "
-              f"{steps} steps an epoch")  # 06: which samples each step of each rank takes
-    def save(epoch, step, loss=0.0):  # 06: an epoch's end is saved after its test as epoch + 1
-        if args.snapshot and step < steps:  # loss: this rank's sum over the epoch's steps so far
+    layout = (f"world size {world.world_size}, --batch-size {args.batch_size}, "
+              f"--seed {args.seed}, {steps} steps an epoch")  # 06: each step's samples
+    def save(epoch, step, loss=0.0):  # 06: an epoch's end: after its test, as epoch + 1
+        if args.snapshot and step < steps:  # loss: this rank's sum so far
             save_snapshot(args, world, net, optimizer, scheduler, epoch, step, layout, loss)
 
     epoch0, step0, sum0 = resume(args.snapshot, world, net, optimizer, scheduler, layout)  # 06
@@ -268,10 +268,10 @@ def run(args, world):
             print(f"{args.snapshot} has all {args.epochs} epochs: nothing to do", file=sys.stderr)
         return
     for epoch in range(epoch0, args.epochs + 1):  # 06
-        first, so_far = (step0, sum0) if epoch == epoch0 else (0, 0.0)  # 06: a resumed epoch
+        first, so_far = (step0, sum0) if epoch == epoch0 else (0, 0.0)  # 06
         train_batches = training(epoch, first)  # 06
         train_loss = train_epoch(model, train_batches, optimizer, args, world, epoch,
-                                 first, so_far, save)  # 06: from step first; snapshots on the way
+                                 first, so_far, save)  # 06: snapshots on the way
         test = evaluate(net, testing(), world)
         scheduler.step()
         if epoch < args.epochs:  # 06: the last one once the outputs are written
@@ -281,14 +281,14 @@ def run(args, world):
                   f"{test['test_accuracy']:.2%} of {test['test_samples']} test samples", flush=True)
     if world.is_main and args.save_model:
         torch.save(net.state_dict(), args.save_model)
-    save(args.epochs + 1, 0)  # 06: after the outputs: a restart before this redoes the last epoch
+    save(args.epochs + 1, 0)  # 06: after the outputs; a restart before redoes the last epoch
 
 
 if __name__ == "__main__":
     args = parse_args()
     try:
         run(args, setup(args))
-    except RuntimeError as e:  # 06: a lost peer or --timeout in one line; a bug with its traceback
+    except RuntimeError as e:  # 06: a lost peer or --timeout in one line; a bug: its traceback
         if not lost(e):
             raise
         stage = "stopped" if dist.is_initialized() else "could not join the others"
