@@ -76,10 +76,7 @@ def test_on_the_cpu_a_ranks_update_is_01s_on_one_thread_and_two_threads_round_ot
     _, _, ddp = same_batch_runs["03_ddp_launch.py"]
     single = {threads: run_mode(SCRIPTS[0], quick_mnist_dir, tmp_path / str(threads), "--epochs", 2, "--max-steps", 3,
                                 "--no-dropout", "--threads", threads)[2] for threads in (1, 2)}
-
-    def largest(a, b):
-        return max((a[name] - b[name]).abs().max().item() for name in a)
-    apart, threads_apart = largest(ddp, single[1]), largest(single[2], single[1])
+    apart, threads_apart = (max(rounding_spread(single[1], other).values()) for other in (ddp, single[2]))
     assert threads_apart > 0 and apart * 4 < threads_apart, (apart, threads_apart)  # here 6.0e-8 and 4.6e-7
 
 
