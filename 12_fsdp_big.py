@@ -316,8 +316,8 @@ def run(args, world):
             torch.save(weights, args.save_model)
     started = time.perf_counter()  # measure
     save(args.epochs + 1, 0)  # 12: after the weights; a restart before redoes the last epoch
-    shards = glob.glob(glob.escape(str(args.snapshot)) + ".epoch*/__*")  # measure
-    epochs[-1].update(snapshot_bytes={os.path.basename(f): os.path.getsize(f) for f in shards},
+    kept = world.is_main and glob.glob(glob.escape(str(args.snapshot)) + ".epoch*/__*")  # measure
+    epochs[-1].update(snapshot_bytes={os.path.basename(f): os.path.getsize(f) for f in kept or ()},
                       snapshot_load_s=load_s, snapshot_save_s=time.perf_counter() - started)
     world.mode = "fsdp_big"  # 12  # measure
     write_record(args.metrics_json, args, world, epochs)  # measure

@@ -112,8 +112,7 @@ def test_the_numbered_scripts_pass_the_checker(script, numbered_checked):
 
 
 PLANTS = {  # a copier's mistake: (script, text, replacement, the checks run, the guarantee it breaks)
-    "no-set-epoch": (COPY_03, "        sampler.set_epoch(epoch)  # a new shuffle of all the training samples every "
-                              "epoch\n", "", "shards,rows,writes", SHARDS),
+    "no-set-epoch": (COPY_03, "sampler.set_epoch(epoch)", "None", "shards,rows,writes", SHARDS),
     "drop-last-on-the-test-loader": (
         COPY_03, "        return batches(test_set, test_rows, args.test_batch_size, args.seed)\n",
         "        return DataLoader(test_set, args.test_batch_size, sampler=test_rows, collate_fn=collate,\n"
