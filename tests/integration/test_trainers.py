@@ -72,12 +72,13 @@ def test_same_global_batch_gives_the_same_update(script, same_batch_runs, roundi
 def test_on_the_cpu_a_ranks_update_is_01s_on_one_thread_and_two_threads_round_otherwise(same_batch_runs,
                                                                                      quick_mnist_dir, tmp_path):
     """The README's way to see 01's update: torchrun gives each process one thread, so compare with 01 --threads 1.
-    01 on two threads sums in another order, further from it than 03's two ranks are."""
+    01 on two threads sums in another order: not bitwise 01 on one. Both stay within rounding of it; which one is
+    closer varies from run to run (6.0e-8 and 4.6e-7 in one, 7.5e-8 and 6.0e-8 in another)."""
     _, _, ddp = same_batch_runs["03_ddp_launch.py"]
     single = {threads: run_mode(SCRIPTS[0], quick_mnist_dir, tmp_path / str(threads), "--epochs", 2, "--max-steps", 3,
                                 "--no-dropout", "--threads", threads)[2] for threads in (1, 2)}
     apart, threads_apart = (max(rounding_spread(single[1], other).values()) for other in (ddp, single[2]))
-    assert threads_apart > 0 and apart * 4 < threads_apart, (apart, threads_apart)  # here 6.0e-8 and 4.6e-7
+    assert threads_apart > 0 and apart < 1e-6, (apart, threads_apart)
 
 
 @pytest.mark.parametrize("script", ALIKE)
