@@ -27,7 +27,7 @@ from bench.outputs import write_atomically, write_json  # noqa: E402
 from bench.plan import Run, Settings, device_counts  # noqa: E402
 from bench.processes import log_tail, run_processes  # noqa: E402
 
-SKIP = 3  # steps left out before the profiled ones: the first pay for allocation and warm-up
+SKIP = 4  # steps left out before the profiled ones: the first pay for allocation and warm-up
 HOOK = os.path.join(REPO, "tools", "copy_hook")
 START_MARK = "anatomy: first step starts"  # bench/measure/anatomy_hook.py's
 BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4, "bool": 1,
@@ -184,7 +184,8 @@ def analyse(out_dir, world_size):
     ranks = []
     for r, part in enumerate(parts):
         others_busy = union(s for q, other in enumerate(parts) if q != r for s in other["busy"])
-        flops = json.load(open(os.path.join(out_dir, f"flops-rank{r}.json")))["flops_per_step"]
+        counted = json.load(open(os.path.join(out_dir, f"flops-rank{r}.json")))
+        flops = counted["flops_per_step"]
         steps = []
         for a, b in zip(part["edges"], part["edges"][1:]):
             step = [(a, b)]
@@ -204,7 +205,8 @@ def analyse(out_dir, world_size):
                       idle_ms=(length(waiting) - length(exposed)) / 1000)
             steps.append(dict(collectives=moved, **{k: round(v, 3) for k, v in ms.items()}))
         mean_ms = sum(s["step_ms"] for s in steps) / len(steps)
-        ranks.append(dict(rank=r, flops_per_step=flops, flop_per_s=flops / (mean_ms / 1000), steps=steps))
+        ranks.append(dict(rank=r, flops_per_step=flops, flop_per_s=flops / (mean_ms / 1000),
+                          step_peak_bytes=counted["step_peak_bytes"], steps=steps))
     return ranks, parts
 
 
@@ -369,7 +371,8 @@ def summary_lines(result):
                           for name, c in first["collectives"].items()) or "nothing"
         lines.append(f"  rank {rank['rank']}: step {first['step_ms']:.1f} ms = compute {first['compute_ms']:.1f} + "
                      f"overlapped {first['overlapped_comm_ms']:.1f} + exposed {first['exposed_comm_ms']:.1f} + "
-                     f"idle {first['idle_ms']:.1f}; moved {moved}")
+                     f"idle {first['idle_ms']:.1f}; moved {moved}; allocated at most "
+                     f"{rank['step_peak_bytes'] / 1e6:.1f} MB above the step's start")
     return lines
 
 

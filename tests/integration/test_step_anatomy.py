@@ -92,6 +92,12 @@ CASES = {"03": ("03_ddp_launch.py", 2, lambda r: ddp(), []), "08": ("08_fsdp.py"
          "12-bf16": ("12_fsdp_big.py", 2, lambda r: fsdp(2, gathered=2), ["--mixed-precision", "bf16"])}
 
 
+# The least a step's peak can be: 03 makes the whole gradient; while fc1's backward runs, 08 holds fc1's
+# gathered weight and its whole gradient.
+PEAK_AT_LEAST = {"03": lambda: ddp()["all_reduce"]["in_bytes"],
+                 "08": lambda: 2 * FLOAT * sum(math.prod(p) for p in layers()[2])}
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_the_bytes_of_a_step_are_the_closed_form(tmp_path, case):
     script, n, form, flags = CASES[case]
@@ -105,6 +111,8 @@ def test_the_bytes_of_a_step_are_the_closed_form(tmp_path, case):
                 if set(step["collectives"]) == set(expected) else step["collectives"]
             assert measured == expected, f"rank {rank['rank']}"
     assert_adds_up(result)
+    if case in PEAK_AT_LEAST:
+        assert all(r["step_peak_bytes"] >= PEAK_AT_LEAST[case]() for r in result["per_rank"]), result["per_rank"]
     if case == "10":  # the bubble: stage 1 waits for stage 0's first microbatch (docs/benchmark.md measures it)
         assert sum(s["idle_ms"] for s in result["per_rank"][1]["steps"]) > 0
 

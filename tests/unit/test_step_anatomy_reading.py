@@ -19,7 +19,7 @@ def write_rank(folder, rank, events, flops=1000):
     marks = [op(anatomy.START_MARK, 1, 0, 1, cat="user_annotation")]
     with gzip.open(folder / f"trace-rank{rank}.json.gz", "wt") as f:
         json.dump(dict(baseTimeNanoseconds=0, traceEvents=marks + events), f)
-    (folder / f"flops-rank{rank}.json").write_text(json.dumps(dict(rank=rank, flops_per_step=flops)))
+    (folder / f"flops-rank{rank}.json").write_text(json.dumps(dict(rank=rank, flops_per_step=flops, step_peak_bytes=0)))
 
 
 def step_of(ranks, rank):
