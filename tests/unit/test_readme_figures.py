@@ -18,6 +18,7 @@ FIRST_RUN = RESULTS / "first-run"
 MODEL_PARALLEL = RESULTS / "cpu-2core-amd-epyc-model-parallel"  # 01, 09, 10 and 11, one epoch
 FSDP_BIG = RESULTS / "cpu-2core-amd-epyc-fsdp-big"  # 08 and 12, one epoch; 12 in bf16 by hand
 ANATOMY = RESULTS / "cpu-2core-amd-epyc-anatomy" / "anatomy"  # run_all.py --anatomy: each mode's step
+STEP_PEAK = RESULTS / "cpu-2core-amd-epyc-step-peak"  # bench/anatomy.py for 03 and 08: each rank's step peak
 
 # Figures the README takes from elsewhere, each with its source in the sentence, or that are definitions and
 # arithmetic rather than measurements.
@@ -90,7 +91,12 @@ def measured(cpu_dir=CPU):
     fc1 = (weights["fc1.weight"] + weights["fc1.bias"]) / sum(weights.values())
     stages = record(MODEL_PARALLEL / "metrics" / "pipeline_parallel-n2-b64-r1.json")["epochs_detail"][-1]
     stage_1 = stages["bytes_per_rank"][1] / sum(stages["bytes_per_rank"])
+    peaks = {n: sorted(r["step_peak_bytes"] for r in record(STEP_PEAK / n / "anatomy.json")["per_rank"])
+             for n in ("03", "08")}
+    peak = {n: [f"{b / 1e6:.1f}" for b in bytes_] for n, bytes_ in peaks.items()}
     return anatomy_cells() + [
+        f"a step allocated {'-'.join(dict.fromkeys(peak['08']))} MB above what an 08 rank held, "
+        f"{'-'.join(dict.fromkeys(peak['03']))} MB on 03's",
         f"compute {steps['08']['compute_ms']:.1f} ms a step against 03's {steps['03']['compute_ms']:.1f}",
         f"its weights and gradients are whole on every rank: {fc1:.0%} of the model",
         f"{steps['08']['exposed_comm_ms']:.1f} ms of collectives exposed, where 03's "
