@@ -88,10 +88,18 @@ def test_an_update_that_cannot_match_is_not_checked_and_says_what_to_change(line
 
 @pytest.mark.parametrize("said", [check_copy.EXIT_ABORT, check_copy.LOADER_HANG])
 @pytest.mark.parametrize("aborts", [check_copy.AGAIN, check_copy.AGAIN + 1])
-def test_a_run_torch_breaks_runs_again_from_an_empty_folder_at_most_again_times(aborts, said, tmp_path):
+def test_a_run_torch_breaks_runs_again_from_an_empty_folder_at_most_again_times(aborts, said, tmp_path,
+                                                                                monkeypatch):
     """torch's exit abort after a good run (06's worked copy, once in a whole-suite run), and a loader worker
     stuck in its fork (the 03-form copy, once), are not the copy's: the checker runs it again, with none of the
-    failed attempt's files, AGAIN times at most; then it counts."""
+    failed attempt's files, AGAIN times at most; then it counts. The hook stands in as one that writes its
+    record without importing torch, which costs 2 s a start."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import atexit, os\nout = os.environ['CHECK_COPY_OUT']\n"
+        "atexit.register(lambda: open(os.path.join(out, f'{os.getpid()}.json'), 'w').write('{}'))\n")
+    monkeypatch.setattr(check_copy, "HOOK", hook)
     count, folder = tmp_path / "count", tmp_path / "run"
     copy = tmp_path / "copy.py"
     copy.write_text(f"import os, sys\nif os.path.exists({str(folder / 'leftover')!r}):\n    sys.exit(5)\n"
