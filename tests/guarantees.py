@@ -20,7 +20,7 @@ from bench.family import MODES  # noqa: E402
 TRAINERS = "tests/integration/test_trainers.py"
 PLATFORMS = "tests/unit/test_platforms.py"
 LIGHTNING = "tests/integration/test_lightning.py"
-EACH_MODE = "tests/unit/test_each_mode_runs.py"
+EACH_MODE = "tests/integration/test_each_mode_runs.py"
 
 
 def tested(path, test, param):

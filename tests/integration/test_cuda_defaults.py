@@ -4,7 +4,7 @@ call, and the CPU does not wait for the GPU unless it reads a result or copies a
 that runs on the CPU's defaults sees none of it: 09 crashed at its first step on every CUDA GPU, and every test
 passed. Here 09 and 03 run as a user starts them, with the hook in tests/as_on_cuda on PYTHONPATH: the CPU takes
 CUDA's paths, in every process of the run. Every mode's run takes them in the fast tier: its foreach update and
-a step that never waits (tests/unit/test_each_mode_runs.py)."""
+a step that never waits (tests/integration/test_each_mode_runs.py)."""
 import json
 
 import torch

@@ -391,7 +391,7 @@ def test_time_to_target_counts_training_time_until_the_first_epoch_at_target():
     gpu_settings([]), max_n=2, synthetic=False, epoch_images=6 * 64)], ids=["4 GPUs", "2 CPU processes"])
 def test_every_script_accepts_the_commands_the_harness_gives_it(settings, tmp_path):
     """Each planned command's script flags, parsed by that script's own parse_args (the sweep below runs some
-    of the modes for real; tests/unit/test_each_mode_runs.py trains every mode as a user starts it)."""
+    of the modes for real; tests/integration/test_each_mode_runs.py trains every mode as a user starts it)."""
     runs, _ = plan.plan(settings, MODES, [("base", [])], repeats=1)
     assert {run.mode for run in runs} == set(AVAILABLE) - ({"fsdp_tp"} if settings.max_n < 4 else set())  # 11: 4
     for run in runs:

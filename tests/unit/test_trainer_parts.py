@@ -1,6 +1,6 @@
 """The trainers' parts, in this process: each epoch its own shuffle, batches that cost next to nothing, warm-up
 left out of the throughput, and the slowest rank's clock (the trainers run as a user runs them:
-tests/integration/test_trainers.py; one short run of each mode: tests/unit/test_each_mode_runs.py)."""
+tests/integration/test_trainers.py; one short run of each mode: tests/integration/test_each_mode_runs.py)."""
 import runpy
 import sys
 import time
