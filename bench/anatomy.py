@@ -3,7 +3,8 @@
     python bench/anatomy.py 03_ddp_launch.py --nproc 2
     python bench/anatomy.py 10_pipeline_parallel.py --nproc 2 --out anatomy-10 -- --schedule 1f1b
 
-It starts the script as the harness does, with random data, and leaves the script as it is. tools/copy_hook
+It starts the script as the harness does, with random data unless --data-dir names MNIST's folder, and leaves the
+script as it is. tools/copy_hook
 starts the profiler in every process (bench/measure/anatomy_hook.py). The first steps are skipped; the next --steps
 are profiled. DIR gets each rank's trace (Perfetto and chrome://tracing open it), timeline.png and anatomy.json.
 
@@ -271,13 +272,14 @@ def parser():
     p.add_argument("--batch-size", type=in_range(1), default=64, help="per device, as the harness's B")
     p.add_argument("--out", help="the folder (default anatomy/<script's number>)")
     p.add_argument("--timeout", type=in_range(1.0, kind=float), default=300.0, help="seconds at most")
+    p.add_argument("--data-dir", help="MNIST's folder (default: random data, whose 10,000 test images take longest)")
     return p
 
 
-def measure(mode, n, steps, batch_size, out_dir, script_flags=(), timeout=300.0, gpus=()):
+def measure(mode, n, steps, batch_size, out_dir, script_flags=(), timeout=300.0, gpus=(), data_dir=None):
     """Run the script under the profiler, on the CPU or on gpus[:n]; anatomy.json's object."""
-    settings = Settings(gpus=list(gpus[:n]), max_n=n, per_device_batches=[batch_size],
-                        epochs=1, epoch_images=0, test_batch_size=1000, seed=1, synthetic=True, data_dir="data",
+    settings = Settings(gpus=list(gpus[:n]), max_n=n, per_device_batches=[batch_size], epochs=1, epoch_images=0,
+                        test_batch_size=1000, seed=1, synthetic=data_dir is None, data_dir=data_dir or "data",
                         target_acc=0.98, timeout=timeout, cores=os.cpu_count() or 1)
     flags = ("--max-steps", str(SKIP + steps + 1), "--log-interval", "0", *script_flags)
     run = Run("base", flags, mode.name, n, batch_size, 1)
@@ -298,8 +300,9 @@ def measure(mode, n, steps, batch_size, out_dir, script_flags=(), timeout=300.0,
     found, parts = analyse(out_dir, ranks)
     result = dict(script=mode.script, mode=mode.name, world_size=record["world_size"], ranks=ranks,
                   device_type=record["device_type"], backend=record["backend"], per_device_batch=batch_size,
-                  global_batch=record["global_batch"], steps_skipped=SKIP, steps_profiled=steps,
-                  script_flags=list(script_flags), torch_version=record.get("torch_version"), per_rank=found)
+                  global_batch=record["global_batch"], synthetic=record["synthetic"], steps_skipped=SKIP,
+                  steps_profiled=steps, script_flags=list(script_flags), torch_version=record.get("torch_version"),
+                  per_rank=found)
     write_json(os.path.join(out_dir, "anatomy.json"), result)
     draw_timeline(os.path.join(out_dir, "timeline.png"), parts,
                   f"{mode.script} at n = {n}, {steps} steps, {record['device_type']}")
@@ -328,8 +331,9 @@ def sweep(modes, settings, out_dir):
             continue
         print(f"the anatomy of {mode.script}'s step at n = {n}", flush=True)
         try:
-            result = measure(mode, n, 3, settings.per_device_batches[-1], os.path.join(out_dir, "anatomy",
-                             mode.number), timeout=300.0, gpus=settings.gpus)
+            data = None if settings.synthetic else settings.data_dir  # the sweep's
+            result = measure(mode, n, 3, settings.per_device_batches[-1], os.path.join(out_dir, "anatomy", mode.number),
+                             timeout=300.0, gpus=settings.gpus, data_dir=data)
         except BadArgument as e:
             failed.append(f"{mode.script}'s step ({str(e).splitlines()[0]})")
             continue
@@ -391,7 +395,7 @@ def main(argv=None):
         cpu = "--cpu" in theirs or torch.cuda.device_count() < args.nproc
         out = args.out or os.path.join("anatomy", script[:2])
         result = measure(mode, args.nproc, args.steps, args.batch_size, out, [f for f in theirs if f != "--cpu"],
-                         args.timeout, [] if cpu else [str(i) for i in range(args.nproc)])
+                         args.timeout, [] if cpu else [str(i) for i in range(args.nproc)], args.data_dir)
     except BadArgument as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -3,8 +3,8 @@ optimizers update all weights as one list (foreach), cuDNN's convolution backwar
 call, and the CPU does not wait for the GPU unless it reads a result or copies a batch without non_blocking. A test
 that runs on the CPU's defaults sees none of it: 09 crashed at its first step on every CUDA GPU, and every test
 passed. Here 09 and 03 run as a user starts them, with the hook in tests/as_on_cuda on PYTHONPATH: the CPU takes
-CUDA's paths, in every process of the run. Every mode's run takes them in the fast tier: its foreach update and
-a step that never waits (tests/integration/test_each_mode_runs.py)."""
+CUDA's paths, in every process of the run. Every mode's short run takes them too: its foreach update and a
+step that never waits (tests/integration/test_each_mode_runs.py)."""
 import json
 
 import torch
