@@ -2,8 +2,8 @@
 
 It does nothing unless ANATOMY_OUT names a folder. Then each process counts its optimizer steps, the edges of
 its training steps. Steps ANATOMY_SKIP - 2 and - 1 run under a profiler of memory: the second one's peak is
-the step's. Step ANATOMY_SKIP runs under FlopCounterMode, which counts the model's FLOPs. The next ANATOMY_STEPS steps run
-under torch.profiler. The process writes trace-rank{r}.json.gz and flops-rank{r}.json.
+the step's. Step ANATOMY_SKIP runs under FlopCounterMode, which counts the model's FLOPs. The next
+ANATOMY_STEPS steps run under torch.profiler. The process writes trace-rank{r}.json.gz and flops-rank{r}.json.
 """
 import gzip
 import json
