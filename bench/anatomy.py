@@ -5,7 +5,8 @@
 
 It starts the script as the harness does, with random data unless --data-dir names MNIST's folder, and leaves the
 script as it is. tools/copy_hook starts the profiler in every process (bench/measure/anatomy_hook.py). The first
-steps are skipped; the next --steps are profiled. DIR gets each rank's trace (Perfetto and chrome://tracing open it), timeline.png and anatomy.json.
+steps are skipped; the next --steps are profiled. DIR gets each rank's trace (Perfetto and chrome://tracing open
+it), timeline.png and anatomy.json.
 
 A step is what lies between the ends of two optimizer steps. Its time splits four ways, adding up to it:
 compute alone, compute with a collective under way (overlapped), a wait on a collective while every rank waits
