@@ -5,7 +5,6 @@ its training steps. Steps ANATOMY_SKIP - 2 and - 1 run under a profiler of memor
 the step's. Step ANATOMY_SKIP runs under FlopCounterMode, which counts the model's FLOPs. The next
 ANATOMY_STEPS steps run under torch.profiler. The process writes trace-rank{r}.json.gz and flops-rank{r}.json.
 """
-import gzip
 import json
 import os
 import tempfile
@@ -50,8 +49,8 @@ def step_peak(watched):
     allocated while it runs, so the first step is watched too: the second one frees what the first made.
     """
     with tempfile.TemporaryDirectory() as folder:
-        watched.export_chrome_trace(os.path.join(folder, "memory.json.gz"))
-        with gzip.open(os.path.join(folder, "memory.json.gz"), "rt") as f:
+        watched.export_chrome_trace(os.path.join(folder, "memory.json"))
+        with open(os.path.join(folder, "memory.json")) as f:
             trace = sorted(json.load(f)["traceEvents"], key=lambda e: e.get("ts", 0))
     begins = next(e["ts"] for e in trace if e.get("name") == MEMORY_MARK)
     events = [e["args"] for e in trace if e.get("name") == "[memory]" and e["ts"] >= begins]

@@ -1,8 +1,8 @@
 """One short run of each mode of the table (bench.family.MODES), started as a user starts it: the script trains on
 the quick MNIST and writes its metrics record. Each run takes CUDA's default paths on the CPU (the hook in
 tests/as_on_cuda): the optimizers' foreach update, which crashed 09 at its first step on every CUDA GPU, and a
-step that never waits for the GPU. The quickest end-to-end check of every mode; what each mode guarantees (the same update,
-exact evaluation, restarts) is proved in tests/integration, cuDNN's rounding in test_cuda_defaults.py there."""
+step that never waits for the GPU. The quickest end-to-end check of every mode; what each mode guarantees (the
+same update, exact evaluation, restarts) is proved in other files, cuDNN's rounding in test_cuda_defaults.py."""
 import json
 import math
 from concurrent.futures import ThreadPoolExecutor
