@@ -6,7 +6,7 @@
 It starts the script as the harness does, with random data unless --data-dir names MNIST's folder, and leaves the
 script as it is. tools/copy_hook starts the profiler in every process (bench/measure/anatomy_hook.py). The first
 steps are skipped; the next --steps are profiled. DIR gets each rank's trace (Perfetto and chrome://tracing open
-it), timeline.png and anatomy.json.
+it), timeline.png, anatomy.json and env.json, the machine and versions it ran on.
 
 A step is what lies between the ends of two optimizer steps. Its time splits four ways, adding up to it:
 compute alone, compute with a collective under way (overlapped), a wait on a collective while every rank waits
@@ -24,6 +24,7 @@ from bench import REPO  # noqa: E402
 from bench.commands import commands  # noqa: E402
 from bench.family import MODES, by_script  # noqa: E402
 from bench.flags import BadArgument, Parser, in_range  # noqa: E402
+from bench.machine import environment  # noqa: E402
 from bench.outputs import write_atomically, write_json  # noqa: E402
 from bench.plan import Run, Settings, device_counts  # noqa: E402
 from bench.processes import log_tail, run_processes  # noqa: E402
@@ -394,13 +395,16 @@ def main(argv=None):
         import torch
         cpu = "--cpu" in theirs or torch.cuda.device_count() < args.nproc
         out = args.out or os.path.join("anatomy", script[:2])
+        gpus = [] if cpu else [str(i) for i in range(args.nproc)]
         result = measure(mode, args.nproc, args.steps, args.batch_size, out, [f for f in theirs if f != "--cpu"],
-                         args.timeout, [] if cpu else [str(i) for i in range(args.nproc)], args.data_dir)
+                         args.timeout, gpus, args.data_dir)
+        write_json(os.path.join(out, "env.json"), environment(REPO, [(g, "") for g in gpus]))
     except BadArgument as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print("\n".join(summary_lines(result)))
-    print(f"wrote {out}/anatomy.json, timeline.png and trace-rank*.json.gz (open them in https://ui.perfetto.dev)")
+    print(f"wrote {out}/anatomy.json, env.json, timeline.png and trace-rank*.json.gz (open them in "
+          "https://ui.perfetto.dev)")
     return 0
 
 

@@ -77,6 +77,7 @@ def anatomy(tmp_path, script, n, *flags, data_dir=None):
     assert done.returncode == 0, done.stdout + done.stderr
     assert (out / "timeline.png").stat().st_size > 0
     assert all((out / f"trace-rank{r}.json.gz").exists() for r in range(n))
+    assert json.loads((out / "env.json").read_text())["torch_version"] == torch.__version__  # the machine's record
     return json.loads((out / "anatomy.json").read_text())
 
 
